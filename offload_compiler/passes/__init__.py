@@ -1,0 +1,1 @@
+"""Graph passes: pure functions over captured FX graphs (analysis → schedule → insert → verify)."""

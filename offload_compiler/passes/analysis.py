@@ -1,0 +1,119 @@
+"""Read the captured graph: which placeholders are offloaded weights and which nodes read them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .schedule import Use
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightInput:
+    group: int
+    slot: int
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """The readers of one placeholder through one direct user: ``leaves`` are the nodes that consume the
+    weight's data (the evict must follow them); ``unordered`` is set when a reader cannot be depended on
+    (the weight escapes as a graph output), so the weight must not be poisoned on eviction."""
+    direct: fx.Node
+    leaves: tuple[fx.Node, ...]
+    unordered: bool
+
+
+class WeightMutatedError(RuntimeError):
+    pass
+
+
+def _value(node: fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _storage(value) -> StorageWeakRef | None:
+    if isinstance(value, torch.Tensor):
+        try:
+            return StorageWeakRef(value.untyped_storage())
+        except (NotImplementedError, RuntimeError):
+            return None
+    return None
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and any(a.is_write for a in schema.arguments if a.alias_info is not None):
+            return True
+    else:
+        return False
+    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
+
+
+def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
+    """Follow views (outputs sharing the weight's storage) and tuple outputs down to the nodes that read."""
+    storage = _storage(_value(placeholder))
+    leaves: list[fx.Node] = []
+    unordered = False
+    stack, seen = [direct], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "output":
+            unordered = True
+            continue
+        if _is_inplace(node) and node.args and _storage(_value(node.args[0])) == storage and storage is not None:
+            raise WeightMutatedError(
+                f"the forward modifies weight {weight_name!r} in place ({node.format_node()}); offloaded weights "
+                f"must be read-only. Keep it resident: OffloadPolicy(offload_buffers=False) for buffers")
+        value = _value(node)
+        if isinstance(value, (tuple, list)):
+            stack.extend(node.users)
+            if not node.users:
+                unordered = True
+        elif storage is not None and _storage(value) == storage:
+            stack.extend(node.users)
+        elif isinstance(value, torch.Tensor):
+            leaves.append(node)
+        # non-tensor results (sizes, dtypes) read no data
+    return Reads(direct, tuple(dict.fromkeys(leaves)), unordered)
+
+
+def weight_inputs(gm: fx.GraphModule, example_inputs: Iterable, group_of: dict[int, tuple[int, int]]
+                  ) -> dict[fx.Node, WeightInput]:
+    """Placeholders whose real tensor is a registered weight (matched by identity)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = {}
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor) and id(value) in group_of:
+            group, slot = group_of[id(value)]
+            found[node] = WeightInput(group, slot, node.name)
+    return found
+
+
+def collect_uses(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], streamed: set[int]
+                 ) -> tuple[list[Use], dict[tuple[fx.Node, int], list[Reads]]]:
+    """Uses of each streamed group: one per (direct user, group), spanning to its last reader."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    reads: dict[tuple[fx.Node, int], list[Reads]] = {}
+    for placeholder, w in weights.items():
+        if w.group not in streamed:
+            continue
+        for user in placeholder.users:
+            reads.setdefault((user, w.group), []).append(readers(placeholder, user, w.name))
+    uses = []
+    for (user, group), rs in reads.items():
+        end = max([position[user]] + [position[leaf] for r in rs for leaf in r.leaves])
+        uses.append(Use(group, position[user], end, key=(user, group)))
+    return uses, reads

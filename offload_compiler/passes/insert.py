@@ -1,0 +1,131 @@
+"""Rewrite a captured graph so every offloaded weight is read from a fetched device copy.
+
+Order is carried by data (DESIGN.md): each prefetch takes the previous prefetch's token and the tokens of
+the evicts emitted since it; each wait takes the newest prefetch token; each evict takes the fetched
+buffers and every node that reads them. Tokens nobody consumes, and resident buffers (which inductor must
+never free or reuse), become extra graph outputs that the caller drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .analysis import Reads, WeightInput
+from .schedule import Schedule
+
+OPS = torch.ops.offload_compiler
+Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per slot (bucket, shape, offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    graph_module: fx.GraphModule
+    num_outputs: int  # outputs of the original graph; the rest are tokens and resident buffers
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _slot_views(graph: fx.Graph, buffers: fx.Node, group: int, slots: set[int], layout: Layout,
+                n_buckets: int) -> dict[int, fx.Node]:
+    items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets)]
+    views = {}
+    for slot in sorted(slots):
+        bucket, shape, offset = layout[group][slot]
+        views[slot] = graph.call_function(torch.ops.aten.as_strided.default,
+                                          (items[bucket], list(shape), list(_contiguous_stride(shape)), offset))
+        views[slot].meta["offload_slot"] = (group, slot)
+    return views
+
+
+def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
+                     reads: dict[tuple[fx.Node, int], list[Reads]], resident_groups: set[int],
+                     runtime_id: int, layout: Layout, fetch_key) -> Rewritten:
+    nodes = list(gm.graph.nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    instance_of = schedule.instance_of()
+    slots_in_graph: dict[int, set[int]] = {}
+    for w in weights.values():
+        slots_in_graph.setdefault(w.group, set()).add(w.slot)
+    n_buckets = {g: 1 + max(b for b, _, _ in layout[g]) for g in layout}
+
+    prefetch_of = {}
+    for inst in schedule.instances:
+        prefetch_of.setdefault(schedule.prefetch_at[inst.index], []).append(inst)
+    waits_at: dict[int, list] = {}
+    evicts_at: dict[int, list] = {}
+    for inst in schedule.instances:
+        waits_at.setdefault(inst.start, []).append(inst)
+        evicts_at.setdefault(inst.end, []).append(inst)
+
+    keys = {inst.index: fetch_key() for inst in schedule.instances}
+    last_prefetch: fx.Node | None = None
+    evicts_since: list[fx.Node] = []
+    fetched: dict[int, tuple[fx.Node, dict[int, fx.Node]]] = {}  # instance -> (buffers, slot views)
+    resident_views: dict[int, dict[int, fx.Node]] = {}
+    resident_buffers: list[fx.Node] = []
+    tokens: list[fx.Node] = []
+
+    def emit_resident() -> None:
+        for group in sorted(resident_groups & set(slots_in_graph)):
+            buffers = graph.call_function(OPS.resident.default, (runtime_id, group))
+            resident_buffers.extend(graph.call_function(operator.getitem, (buffers, b))
+                                    for b in range(n_buckets[group]))
+            resident_views[group] = _slot_views(graph, buffers, group, slots_in_graph[group], layout,
+                                                n_buckets[group])
+
+    def weight_arg(user: fx.Node, arg: fx.Node) -> fx.Node:
+        w = weights[arg]
+        if w.group in resident_views:
+            return resident_views[w.group][w.slot]
+        return fetched[instance_of[(user, w.group)].index][1][w.slot]
+
+    emitted_resident = False
+    for position, node in enumerate(nodes):
+        if node.op != "placeholder" and not emitted_resident:
+            emit_resident()
+            emitted_resident = True
+        for inst in waits_at.get(position, []):
+            for ahead in prefetch_of.get(inst.index, []):
+                deps = ([last_prefetch] if last_prefetch is not None else []) + evicts_since
+                last_prefetch = graph.call_function(
+                    OPS.prefetch.default, (runtime_id, ahead.group, keys[ahead.index], deps))
+                tokens.append(last_prefetch)
+                evicts_since = []
+            buffers = graph.call_function(OPS.wait.default,
+                                          (runtime_id, inst.group, keys[inst.index], [last_prefetch]))
+            fetched[inst.index] = (buffers, _slot_views(graph, buffers, inst.group, slots_in_graph[inst.group],
+                                                        layout, n_buckets[inst.group]))
+        if node.op == "output":
+            break
+        env[node] = graph.node_copy(
+            node, lambda arg: weight_arg(node, arg) if arg in weights else env[arg])
+        for inst in evicts_at.get(position, []):
+            buffers, _ = fetched[inst.index]
+            items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets[inst.group])]
+            rs = [r for use in inst.uses for r in reads[use.key]]
+            leaves = list(dict.fromkeys(env[leaf] for r in rs for leaf in r.leaves))
+            poison = not any(r.unordered for r in rs)
+            token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves))
+            tokens.append(token)
+            evicts_since.append(token)
+
+    output = nodes[-1]
+    original = fx.map_arg(output.args[0], lambda arg: weight_arg(output, arg) if arg in weights else env[arg])
+    is_seq = isinstance(original, (tuple, list))
+    outputs = list(original) if is_seq else [original]
+    extras = [t for t in tokens if not t.users] + resident_buffers
+    graph.output(tuple(outputs + extras))
+    new_gm = fx.GraphModule(gm, graph)
+    new_gm.meta.update(gm.meta)
+    return Rewritten(new_gm, len(outputs) if is_seq else -1)

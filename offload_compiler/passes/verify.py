@@ -1,0 +1,88 @@
+"""Check a rewritten graph before it runs: no compute op may read a weight that is not fetched, and every
+reader of a fetched copy must be ordered (by data) before that copy's evict. Also computes the static peak
+of device weight bytes of the schedule, which the runtime's ledger must reproduce."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .analysis import WeightInput, _storage, _value, readers
+
+OPS = torch.ops.offload_compiler
+
+
+class ScheduleError(RuntimeError):
+    """The rewritten graph could read a weight that is not on the device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    streamed_peak_bytes: int
+    resident_bytes: int
+    fetches: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.streamed_peak_bytes + self.resident_bytes
+
+
+def _fetch_node(view: fx.Node) -> fx.Node:
+    return view.args[0].args[0]  # as_strided(getitem(fetch, bucket), ...)
+
+
+def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes: dict[int, int]) -> Verified:
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
+    by_slot = {(w.group, w.slot): placeholders[p.name] for p, w in weights.items()}
+
+    for p, w in weights.items():
+        users = list(placeholders[p.name].users)
+        if users:
+            raise ScheduleError(f"weight {w.name} is still read from host memory by {users[0].format_node()}")
+
+    evict_of: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node.target is OPS.evict.default:
+            items = node.args[3]
+            if items:
+                evict_of[items[0].args[0]] = node
+
+    for view in (n for n in nodes if "offload_slot" in n.meta):
+        fetch = _fetch_node(view)
+        placeholder = by_slot[view.meta["offload_slot"]]
+        storage = _storage(_value(placeholder))
+        if storage is None:
+            continue
+        # re-derive readers on the rewritten graph, with the original weight's storage as the alias key
+        view.meta.setdefault("example_value", _value(placeholder))
+        found = [r for user in view.users for r in readers(view, user, placeholder.name).leaves]
+        if fetch.target is OPS.resident.default:
+            continue
+        evict = evict_of.get(fetch)
+        if evict is None:
+            if any(user.op != "output" for user in view.users) and not all(
+                    position[r] > position[fetch] for r in found):
+                raise ScheduleError(f"{placeholder.name} is read before it is fetched")
+            continue
+        ordered = set(evict.args[4])
+        for reader in found:
+            if not position[fetch] < position[reader] < position[evict]:
+                raise ScheduleError(f"{reader.format_node()} reads {placeholder.name} outside its fetch window")
+            if reader not in ordered:
+                raise ScheduleError(f"the evict of {placeholder.name} does not depend on {reader.format_node()}")
+
+    live = peak = resident = fetches = 0
+    for node in nodes:
+        if node.target is OPS.prefetch.default:
+            live += group_bytes[node.args[1]]
+            fetches += 1
+            peak = max(peak, live)
+        elif node.target is OPS.evict.default:
+            live -= group_bytes[node.args[1]]
+        elif node.target is OPS.resident.default:
+            resident += group_bytes[node.args[1]]
+    return Verified(peak, resident, fetches)

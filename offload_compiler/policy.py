@@ -1,0 +1,154 @@
+"""`OffloadPolicy`: what to offload, where to run, and how far ahead to fetch."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+from typing import Any, Mapping
+
+import torch
+
+log = logging.getLogger("offload_compiler")
+
+IMPLEMENTED_STRATEGIES = ("none", "sequential", "layerwise", "budget")
+PLANNED_STRATEGIES = ("alternating", "model", "auto")
+COMPILERS = ("eager", "inductor")
+GIB = 1 << 30
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """How a model is offloaded.
+
+    strategy:
+        ``none``       every weight group is fetched once and stays on the device (baseline).
+        ``sequential`` every module that owns weights is its own group, fetched in graph order and
+                       evicted after its last use.
+        ``layerwise``  each transformer block (``blocks_per_group`` of them) is a group; weights outside
+                       the blocks are grouped by the module that holds them.
+        ``budget``     like vLLM's ``cpu_offload_gb``: ``offload_gb`` GiB of weights are streamed
+                       (whole blocks, front to back, then the largest other groups), the rest stays
+                       resident on the device.
+    device:            the compute device; weights live in host memory.
+    prefetch:          how many groups are fetched ahead of the one being computed.
+    blocks_per_group:  consecutive blocks that move together (layerwise, budget).
+    offload_gb:        GiB of weights streamed (budget).
+    pin_memory:        pin host masters (one exact-size buffer per group) where an accelerator exists.
+    compiler:          ``eager`` runs the rewritten graph as is; ``inductor`` compiles it.
+    offload_buffers:   stream buffers with their group; set False to keep every buffer resident.
+    blocks_attr:       dotted path(s) of the block list; overrides ``_layerwise_offload_blocks_attr``.
+    fullgraph:         ask dynamo for one graph (error on a graph break) in ``offload_compile``.
+    debug_poison:      fill every evicted device copy with NaN (or the dtype's max) so that a read after
+                       eviction shows in the output instead of silently reading stale memory.
+    """
+
+    strategy: str = "layerwise"
+    device: Any = None
+    prefetch: int = 1
+    blocks_per_group: int = 1
+    offload_gb: float | None = None
+    pin_memory: bool = True
+    compiler: str = "eager"
+    offload_buffers: bool = True
+    blocks_attr: str | tuple[str, ...] | None = None
+    fullgraph: bool = False
+    debug_poison: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if not isinstance(self.strategy, str):
+            raise ValueError(f"strategy must be a string, one of {IMPLEMENTED_STRATEGIES}; got {self.strategy!r}")
+        strategy = self.strategy.strip().lower()
+        if strategy in PLANNED_STRATEGIES:
+            raise ValueError(
+                f"strategy={strategy!r} is not implemented in this version of offload_compiler; "
+                f"choose one of {IMPLEMENTED_STRATEGIES}")
+        if strategy not in IMPLEMENTED_STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is unknown; choose one of {IMPLEMENTED_STRATEGIES}")
+        set_("strategy", strategy)
+        set_("device", str(_validate_device(self.device)))
+        for name, low in (("prefetch", 0), ("blocks_per_group", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+            set_(name, int(value))
+        if self.offload_gb is not None:
+            if not _is_number(self.offload_gb) or self.offload_gb != self.offload_gb or self.offload_gb < 0:
+                raise ValueError(f"offload_gb must be a number of GiB >= 0; got {self.offload_gb!r}")
+            set_("offload_gb", float(self.offload_gb))
+        if strategy == "budget" and self.offload_gb is None:
+            raise ValueError("strategy='budget' needs offload_gb: the GiB of weights to stream from host memory "
+                             "(e.g. OffloadPolicy(strategy='budget', offload_gb=8))")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler={self.compiler!r} is unknown; choose one of {COMPILERS}")
+        for name in ("pin_memory", "offload_buffers", "fullgraph", "debug_poison"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.blocks_attr is not None:
+            attrs = (self.blocks_attr,) if isinstance(self.blocks_attr, str) else tuple(self.blocks_attr)
+            if not attrs or not all(isinstance(a, str) and a for a in attrs):
+                raise ValueError(f"blocks_attr must be a dotted attribute path or a list of them; got {self.blocks_attr!r}")
+            set_("blocks_attr", attrs if len(attrs) > 1 else attrs[0])
+
+    @property
+    def offload_bytes(self) -> int | None:
+        return None if self.offload_gb is None else int(self.offload_gb * GIB)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def replace(self, **changes: Any) -> "OffloadPolicy":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "OffloadPolicy":
+        """The policy named by ``torch.compile(..., options=...)``: ``{"policy": OffloadPolicy}`` or fields."""
+        options = dict(options or {})
+        if "policy" in options:
+            policy = options.pop("policy")
+            if not isinstance(policy, OffloadPolicy):
+                raise ValueError(f"options['policy'] must be an OffloadPolicy; got {type(policy).__name__}")
+            return policy.replace(**options) if options else policy
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"unknown omni_offload option(s) {unknown}; valid options are {sorted(fields)} or 'policy'")
+        return cls(**options)
+
+
+def _validate_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device(default_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device torch knows (e.g. 'cuda', 'cuda:0', 'cpu'): {exc}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "meta":
+        raise ValueError("device='meta' cannot run a model; use 'cuda' or 'cpu'")
+    backend = getattr(torch, dev.type, None)
+    available = bool(backend is not None and hasattr(backend, "is_available") and backend.is_available())
+    if not available:
+        raise ValueError(f"device={str(dev)!r} is not available on this machine "
+                         f"(torch.{dev.type}.is_available() is False); use device='cpu'")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    index = dev.index if dev.index is not None else backend.current_device()
+    if index >= count:
+        raise ValueError(f"device={str(dev)!r} does not exist: this machine has {count} {dev.type} device(s) "
+                         f"(indices 0..{count - 1})")
+    return torch.device(dev.type, index)

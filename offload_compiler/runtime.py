@@ -1,0 +1,343 @@
+"""Runtime state of one offloaded model: host masters, device copies, the live-bytes ledger and stats.
+
+Everything that changes while a model runs lives in `OffloadRuntime`. The graph's transfer ops
+(`offload_compiler.ops`) call into it by integer id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import weakref
+from typing import Callable
+
+import torch
+
+from .grouping import GroupSpec
+from .policy import OffloadPolicy
+
+log = logging.getLogger("offload_compiler")
+
+_RUNTIMES: "weakref.WeakValueDictionary[int, OffloadRuntime]" = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
+
+
+def runtime_by_id(runtime_id: int) -> "OffloadRuntime":
+    runtime = _RUNTIMES.get(runtime_id)
+    if runtime is None:
+        raise RuntimeError(f"offload runtime {runtime_id} no longer exists (its model was garbage-collected)")
+    return runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadStats:
+    bytes_transferred: int
+    peak_resident_bytes: int
+    fetch_count: int
+    live_device_bytes: int  # device weight copies alive now
+    resident_bytes: int  # persistent device copies of resident groups held now
+    streamed_bytes: int  # weights of the groups that are streamed per use
+    total_bytes: int  # all weights of the model
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
+                f"peak device weights {mib(self.peak_resident_bytes)} of {mib(self.total_bytes)} "
+                f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed)")
+
+
+@dataclasses.dataclass
+class Slot:
+    """Where one weight sits inside its group's flat buffer of one dtype."""
+    name: str
+    tensor: torch.Tensor
+    bucket: int
+    offset: int
+    shape: tuple[int, ...]
+    numel: int
+    host_ptr: int = 0
+
+
+@dataclasses.dataclass
+class Bucket:
+    """One flat host buffer (one dtype) of a group; ``owner`` is set for a weight that cannot be packed
+    (it shares storage with another tensor), which is then copied from the weight itself."""
+    dtype: torch.dtype
+    numel: int
+    host: torch.Tensor | None
+    owner: Slot | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def source(self) -> torch.Tensor:
+        return self.host if self.owner is None else self.owner.tensor.detach().reshape(-1)
+
+
+@dataclasses.dataclass
+class Group:
+    index: int
+    name: str
+    streamed: bool
+    slots: list[Slot]
+    buckets: list[Bucket]
+    packed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+class Ledger:
+    """Exact live bytes of device weight copies: each copy's storage reports its own death."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> None:
+        nbytes = tensor.untyped_storage().nbytes()
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor.untyped_storage(), self._release, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.live
+
+
+def _pin_exact(host: torch.Tensor) -> torch.Tensor:
+    """Pin an already-filled host buffer in place at its exact size (no power-of-two rounding of the
+    caching host allocator); fall back to a pinned copy where registration is unavailable."""
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(host.data_ptr(), host.untyped_storage().nbytes(), 0)
+        if int(getattr(err, "value", err)) == 0:
+            weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister, host.data_ptr())
+            return host
+    except Exception as exc:  # pragma: no cover - depends on the CUDA runtime
+        log.debug("cudaHostRegister unavailable (%s); using pin_memory()", exc)
+    return host.pin_memory()
+
+
+def overlapping(tensors: list[torch.Tensor]) -> set[int]:
+    """ids of tensors whose bytes overlap another tensor's (views of one fused weight): those cannot be
+    packed without breaking the sharing, so they are copied from the tensor itself."""
+    spans = sorted((t.untyped_storage().data_ptr(), t.data_ptr(),
+                    t.data_ptr() + t.numel() * t.element_size(), id(t)) for t in tensors if t.numel())
+    shared: set[int] = set()
+    reach = (None, -1, None)
+    for storage, start, end, ident in spans:
+        if storage == reach[0] and start < reach[1]:
+            shared.update((ident, reach[2]))
+        if storage != reach[0] or end > reach[1]:
+            reach = (storage, end, ident)
+    return shared
+
+
+def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()) -> Group:
+    """Where each weight of a group goes in its flat buffers (one per dtype); touches no tensor data."""
+    slots: list[Slot] = []
+    buckets: list[Bucket] = []
+    by_dtype: dict[torch.dtype, int] = {}
+    for w in spec.weights:
+        t = w.tensor
+        shape, numel = tuple(t.shape), t.numel()
+        if id(t) in unpackable:
+            slot = Slot(w.name, t, len(buckets), 0, shape, numel)
+            buckets.append(Bucket(t.dtype, numel, None, owner=slot))
+        else:
+            if t.dtype not in by_dtype:
+                by_dtype[t.dtype] = len(buckets)
+                buckets.append(Bucket(t.dtype, 0, None))
+            bucket = buckets[by_dtype[t.dtype]]
+            slot = Slot(w.name, t, by_dtype[t.dtype], bucket.numel, shape, numel)
+            bucket.numel += numel
+        slots.append(slot)
+    return Group(index, spec.name, spec.streamed, slots, buckets)
+
+
+def pack_group(group: Group, pin: bool) -> None:
+    """Copy a group's weights into one flat host buffer per dtype and make each weight's ``.data`` a view
+    into it, so the module keeps its parameters (and ``state_dict``) while one copy moves the group."""
+    for bi, bucket in enumerate(group.buckets):
+        if bucket.owner is not None or bucket.host is not None:
+            continue
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+        members = [s for s in group.slots if s.bucket == bi]
+        with torch.no_grad():
+            for s in members:
+                flat[s.offset:s.offset + s.numel].copy_(s.tensor.detach().reshape(-1))
+        if pin:
+            flat = _pin_exact(flat)
+        for s in members:
+            s.tensor.data = flat[s.offset:s.offset + s.numel].view(s.shape)
+        bucket.host = flat
+    for s in group.slots:
+        s.host_ptr = s.tensor.data_ptr()
+    group.packed = True
+
+
+class OffloadRuntime:
+    """One model's offload state, shared by every graph captured from it."""
+
+    def __init__(self, policy: OffloadPolicy, specs: list[GroupSpec], model_name: str = "model",
+                 pack_now: bool = True) -> None:
+        self.id = next(_NEXT_ID)
+        self.policy = policy
+        self.model_name = model_name
+        self.device = policy.torch_device
+        self.pinned = False
+        self.pinned = policy.pin_memory and self.device.type == "cuda"
+        if policy.pin_memory and not self.pinned:
+            log.debug("pin_memory ignored: compute device %s has no pinned host memory", self.device)
+        unpackable = overlapping([w.tensor for spec in specs for w in spec.weights])
+        self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
+        if pack_now:
+            for group in self.groups:
+                pack_group(group, self.pinned)
+        self.group_of: dict[int, tuple[int, int]] = {
+            id(slot.tensor): (g.index, si) for g in self.groups for si, slot in enumerate(g.slots)}
+        self.layout = {g.index: [(s.bucket, s.shape, s.offset) for s in g.slots] for g in self.groups}
+        self.graph_plans: list = []
+        self.graph_calls = 0
+        self.ledger = Ledger()
+        self.bytes_transferred = 0
+        self.fetch_count = 0
+        self._pending: dict[int, tuple[list[torch.Tensor], object]] = {}
+        self._resident: dict[int, tuple[list[torch.Tensor], tuple]] = {}
+        self._copy_stream = None
+        self._fetch_keys = itertools.count(1)
+        self.fault_hook: Callable[[str, int], None] | None = None
+        _RUNTIMES[self.id] = self
+
+    # -- layout, used by the passes and by the ops' fake implementations -------------------------
+    def bucket_layout(self, group: int) -> list[tuple[int, torch.dtype]]:
+        return [(b.numel, b.dtype) for b in self.groups[group].buckets]
+
+    def new_fetch_key(self) -> int:
+        return next(self._fetch_keys)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    # -- transfers --------------------------------------------------------------------------------
+    def _copy_group(self, group: Group) -> tuple[list[torch.Tensor], object]:
+        if not group.packed:  # deferred while dynamo still traces the unpacked weights
+            pack_group(group, self.pinned)
+        self._refresh_host(group)
+        if self.fault_hook is not None:
+            self.fault_hook("fetch", group.index)
+        buffers = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in group.buckets]
+        done = None
+        if self.device.type == "cuda":
+            stream = self._stream()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for buf, bucket in zip(buffers, group.buckets):
+                    buf.copy_(bucket.source(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        else:
+            for buf, bucket in zip(buffers, group.buckets):
+                buf.copy_(bucket.source())
+        for buf in buffers:
+            self.ledger.track(buf)
+        self.bytes_transferred += group.nbytes
+        self.fetch_count += 1
+        return buffers, done
+
+    def _stream(self):
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
+
+    def _refresh_host(self, group: Group) -> None:
+        """A weight whose ``.data`` was replaced since packing is copied back into the flat buffer."""
+        for slot in group.slots:
+            if slot.tensor.data_ptr() != slot.host_ptr and group.buckets[slot.bucket].owner is None:
+                flat = group.buckets[slot.bucket].host
+                view = flat[slot.offset:slot.offset + slot.numel]
+                with torch.no_grad():
+                    view.copy_(slot.tensor.detach().reshape(-1))
+                slot.tensor.data = view.view(slot.shape)
+                slot.host_ptr = slot.tensor.data_ptr()
+
+    def prefetch(self, key: int, group: int) -> None:
+        self._pending[key] = self._copy_group(self.groups[group])
+
+    def wait(self, key: int, group: int) -> list[torch.Tensor]:
+        buffers, done = self._pending.pop(key, None) or self._copy_group(self.groups[group])
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return buffers
+
+    def evict(self, group: int, buffers: list[torch.Tensor], poison: bool) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("evict", group)
+        if poison and self.policy.debug_poison:
+            for buf in buffers:
+                buf.fill_(float("nan") if buf.dtype.is_floating_point or buf.dtype.is_complex
+                          else (True if buf.dtype == torch.bool else torch.iinfo(buf.dtype).max))
+
+    def resident(self, group: int) -> list[torch.Tensor]:
+        """The persistent device copy of a resident group, refetched when a host weight changed."""
+        g = self.groups[group]
+        stamp = tuple((s.tensor._version, s.tensor.data_ptr()) for s in g.slots)
+        cached = self._resident.get(group)
+        if cached is not None and cached[1] == stamp:
+            return cached[0]
+        buffers, done = self._copy_group(g)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        self._resident[group] = (buffers, tuple((s.tensor._version, s.tensor.data_ptr()) for s in g.slots))
+        return buffers
+
+    def abandon_pending(self) -> None:
+        """Drop prefetched copies a failed call never waited for (after their copies finished)."""
+        if self._pending and self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        self._pending.clear()
+
+    def release_resident(self) -> None:
+        self._resident.clear()
+
+    # -- stats --------------------------------------------------------------------------------------
+    def stats(self) -> OffloadStats:
+        held = sum(self.groups[g].nbytes for g in self._resident)
+        streamed = sum(g.nbytes for g in self.groups if g.streamed)
+        return OffloadStats(self.bytes_transferred, self.ledger.peak, self.fetch_count, self.ledger.live,
+                            held, streamed, self.total_bytes)
+
+    def describe(self) -> str:
+        """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
+        mib = lambda n: f"{n / 2**20:9.3f} MiB"  # noqa: E731
+        lines = [f"offload plan for {self.model_name}: strategy={self.policy.strategy} device={self.device} "
+                 f"prefetch={self.policy.prefetch} compiler={self.policy.compiler} pinned={self.pinned}"]
+        for g in self.groups:
+            lines.append(f"  group {g.index:3d} {g.name:<40s} {mib(g.nbytes)}  "
+                         f"{'streamed' if g.streamed else 'resident'}")
+        for i, plan in enumerate(self.graph_plans):
+            v = plan.verified
+            lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "
+                         f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
+                         f"{mib(v.streamed_peak_bytes)} streamed)")
+        resident = sum(g.nbytes for g in self.groups if not g.streamed)
+        lines.append(f"  total {mib(self.total_bytes)}: {mib(resident)} resident, "
+                     f"{mib(self.total_bytes - resident)} streamed")
+        return "\n".join(lines)
+
+    def reset_stats(self) -> None:
+        self.bytes_transferred = 0
+        self.fetch_count = 0
+        self.ledger.reset_peak()

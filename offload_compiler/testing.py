@@ -1,0 +1,214 @@
+"""Helpers for property-based test suites (ours and users'): hypothesis strategies for policies and small
+random block models, and `assert_offload_equivalent`, which checks outputs *and* that offloading happened.
+
+    from hypothesis import given
+    from offload_compiler.testing import block_models, policies, assert_offload_equivalent
+
+    @given(block_models(), policies(devices=["cpu"]))
+    def test_my_stack(model_and_input, policy):
+        model, x = model_and_input
+        assert_offload_equivalent(model, policy, x)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .api import offload_compile, offload_stats
+from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
+
+try:
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a test extra
+    st = None
+
+
+# -- random block models -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    kind: str  # "mlp" | "attention"
+    hidden: int  # MLP expansion width or number of heads
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    width: int
+    blocks: tuple[BlockSpec, ...]
+    tied_head: bool  # the output head reuses the input projection (tied weights used far apart)
+    parent_table: bool  # a parameter of the root read after the blocks (like DiT's scale_shift_table)
+    seq: int
+    batch: int
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.register_buffer("gate", torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) * self.gate
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width * heads, bias=False)
+        self.out = nn.Linear(width * heads, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class BlockStack(nn.Module):
+    """A small model shaped like the real ones: embedding projection, blocks, final norm, head."""
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed = nn.Linear(spec.width, spec.width, bias=False)
+        self.blocks = nn.ModuleList(
+            MLPBlock(spec.width, b.hidden) if b.kind == "mlp" else AttentionBlock(spec.width, b.hidden)
+            for b in spec.blocks)
+        self.norm = nn.LayerNorm(spec.width)
+        self.tied_head = spec.tied_head
+        if not spec.tied_head:
+            self.head = nn.Linear(spec.width, spec.width, bias=False)
+        self.table = nn.Parameter(torch.randn(spec.width) * 0.1) if spec.parent_table else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        h = self.norm(h)
+        if self.table is not None:
+            h = h * (1 + self.table)
+        return h @ self.embed.weight if self.tied_head else self.head(h)
+
+
+def build_block_model(spec: ModelSpec, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = BlockStack(spec).eval()
+    x = torch.randn(spec.batch, spec.seq, spec.width, generator=generator)
+    return model, x
+
+
+if st is not None:
+    def model_specs(max_blocks: int = 4, widths: Sequence[int] = (8, 16, 24)) -> "st.SearchStrategy[ModelSpec]":
+        block = st.one_of(st.builds(BlockSpec, st.just("mlp"), st.sampled_from([8, 16, 32])),
+                          st.builds(BlockSpec, st.just("attention"), st.integers(1, 2)))
+        return st.builds(ModelSpec, st.sampled_from(list(widths)),
+                         st.lists(block, min_size=1, max_size=max_blocks).map(tuple),
+                         st.booleans(), st.booleans(), st.integers(1, 6), st.integers(1, 2))
+
+    def block_models(max_blocks: int = 4) -> "st.SearchStrategy[tuple[nn.Module, torch.Tensor]]":
+        """(model, input) pairs: random stacks of MLP and attention blocks with random widths and depth,
+        tied weights, buffers and a parent-level table."""
+        return st.builds(build_block_model, model_specs(max_blocks), st.integers(0, 2**16))
+
+    def policies(strategies: Sequence[str] = IMPLEMENTED_STRATEGIES, devices: Sequence[str] = ("cpu",),
+                 compilers: Sequence[str] = ("eager",), max_prefetch: int = 3) -> "st.SearchStrategy[OffloadPolicy]":
+        """Valid policies; ``budget`` draws offload_gb from nothing to more than a small model holds."""
+        def build(strategy, device, compiler, prefetch, per_group, budget_kib):
+            return OffloadPolicy(strategy=strategy, device=device, compiler=compiler, prefetch=prefetch,
+                                 blocks_per_group=per_group, debug_poison=True,
+                                 offload_gb=budget_kib / 2**20 if strategy == "budget" else None)
+        return st.builds(build, st.sampled_from(list(strategies)), st.sampled_from(list(devices)),
+                         st.sampled_from(list(compilers)), st.integers(0, max_prefetch), st.integers(1, 2),
+                         st.integers(0, 64))
+
+
+# -- the check ------------------------------------------------------------------------------------------
+
+def _flatten(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flatten(v)]
+    return []
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class EquivalenceReport:
+    max_abs_diff: float
+    bytes_transferred: int
+    peak_resident_bytes: int
+    predicted_peak_bytes: int
+    streamed_bytes: int
+
+
+def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: Any, atol: float | None = None,
+                              rtol: float | None = None, calls: int = 2, **kwargs: Any) -> EquivalenceReport:
+    """Offload a deep copy of ``model`` under ``policy``, run it ``calls`` times, and check that
+
+    - every output equals the plain model's (bit-exact for the eager compiler on CPU, else within tolerance);
+    - offloading happened: each call moved at least the streamed bytes, and the ledger saw device copies;
+    - the ledger's peak equals the verified schedule's predicted peak (resident + streamed window).
+
+    Returns the figures for further assertions. ``model`` itself is left untouched.
+    """
+    device = policy.torch_device
+    plain = copy.deepcopy(model).to(device).eval()
+    with torch.no_grad():
+        expected = _flatten(plain(*_to(args, device), **_to(kwargs, device)))
+    offloaded = offload_compile(copy.deepcopy(model).eval(), policy)
+    runtime = offloaded._offload_runtime
+    exact = policy.compiler == "eager" and device.type == "cpu" and atol is None
+    atol = 1e-5 if atol is None else atol
+    rtol = 1e-4 if rtol is None else rtol
+    worst = 0.0
+    for _ in range(calls):
+        got = _flatten(offloaded(*_to(args, device), **_to(kwargs, device)))
+        assert len(got) == len(expected), f"offloaded model returned {len(got)} tensors, plain {len(expected)}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g.shape == e.shape and g.dtype == e.dtype, f"output {i}: {g.shape}/{g.dtype} vs {e.shape}/{e.dtype}"
+            if e.is_floating_point():
+                worst = max(worst, (g.float() - e.float()).abs().max().item() if e.numel() else 0.0)
+            if exact:
+                assert torch.equal(g, e), f"output {i} differs from the plain model (max diff {worst})"
+            else:
+                torch.testing.assert_close(g, e, atol=atol, rtol=rtol, msg=lambda m: f"output {i}: {m}")
+    stats = offload_stats(offloaded)
+    streamed = stats.streamed_bytes
+    plans = runtime.graph_plans
+    assert plans, "no graph was captured: the model never ran through the offload backend"
+    if streamed:
+        assert stats.bytes_transferred >= calls * sum(
+            g.nbytes for g in runtime.groups if g.streamed and any(
+                i.group == g.index for p in plans for i in p.schedule.instances)), "streamed groups were not moved"
+        assert stats.fetch_count >= calls, "no fetch happened"
+    predicted = max(p.verified.streamed_peak_bytes for p in plans) + stats.resident_bytes
+    assert stats.peak_resident_bytes == predicted, (
+        f"ledger peak {stats.peak_resident_bytes} B != predicted peak {predicted} B")
+    assert stats.live_device_bytes == stats.resident_bytes, (
+        f"{stats.live_device_bytes - stats.resident_bytes} B of streamed device copies outlived the call")
+    return EquivalenceReport(worst, stats.bytes_transferred, stats.peak_resident_bytes, predicted, streamed)
