@@ -39,7 +39,8 @@ class OffloadedModule(nn.Module):
         if runtime.graph_calls == calls:
             raise RuntimeError(
                 f"{runtime.model_name} ran without its offloaded graph: torch.compile fell back to plain eager "
-                f"execution (see dynamo's warnings above, e.g. a recompile limit), so nothing was offloaded")
+                f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a loop "
+                f"or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any):

@@ -59,16 +59,17 @@ def _holds_weights(module: nn.Module) -> bool:
 
 def _resolve(model: nn.Module, path: str) -> nn.Module:
     module: object = model
-    for part in path.split("."):
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and part.isdigit() and int(part) < len(module):
-            module = module[int(part)]
+    for part in path.split(".") if path else ():
+        children = getattr(module, "_modules", {})
+        if part in children:  # before getattr: a child may share its name with a method (``double``, ``half``)
+            module = children[part]
         elif hasattr(module, part):
             module = getattr(module, part)
         else:
-            children = [name for name, _ in model.named_children()]
+            top = [name for name, _ in model.named_children()]
             raise ValueError(
                 f"{BLOCKS_ATTR} / blocks_attr = {path!r} on {type(model).__name__} points at nothing "
-                f"(no attribute {part!r}); the model's top-level modules are {children}")
+                f"(no attribute {part!r}); the model's top-level modules are {top}")
     if not isinstance(module, nn.Module) or not list(module.children()):
         raise ValueError(f"{BLOCKS_ATTR} / blocks_attr = {path!r} on {type(model).__name__} must point at an "
                          f"nn.ModuleList of blocks; it is a {type(module).__name__} with no child modules")
@@ -99,7 +100,7 @@ def discover_block_paths(model: nn.Module) -> tuple[str, ...]:
                 found.append((path, sum(w.numel() * w.element_size() for w in module.parameters())))
         return found
 
-    found = candidates(nn.ModuleList, 1) or [c for c in candidates(nn.Sequential, 2) if c[0]]
+    found = candidates(nn.ModuleList, 1) or candidates(nn.Sequential, 2)
     if not found:
         return ()
     largest = max(size for _, size in found)
@@ -129,8 +130,8 @@ def _outside_group(name: str, containers: Iterable[str]) -> str:
 
 def _block_of(name: str, containers: tuple[str, ...]) -> tuple[int, int] | None:
     for ci, path in enumerate(containers):
-        if name.startswith(path + "."):
-            index = name[len(path) + 1:].split(".", 1)[0]
+        if name.startswith(path + ".") or (not path and "." in name):  # "" is a root nn.Sequential
+            index = name[len(path) + 1 if path else 0:].split(".", 1)[0]
             return ci, int(index) if index.isdigit() else 0
     return None
 
@@ -169,7 +170,8 @@ def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] |
         ci, index = block
         first = order.get((ci, index), 0) // per * per
         last = min(first + per, sum(1 for c, _ in order if c == ci)) - 1
-        label = f"{containers[ci]}.{first}" if per == 1 or first == last else f"{containers[ci]}.{first}-{last}"
+        prefix = f"{containers[ci]}." if containers[ci] else ""
+        label = f"{prefix}{first}" if per == 1 or first == last else f"{prefix}{first}-{last}"
         return (0, f"{ci:04d}:{first:08d}:{label}")
 
     keyed: dict[tuple[int, str], list[Weight]] = {}

@@ -1,0 +1,137 @@
+"""Both entry points: `torch.compile(backend="omni_offload")` and `offload_compile`."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
+from offload_compiler.models import llama
+from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, build_block_model
+
+
+def test_fullgraph_llama_one_graph_no_breaks_no_recompiles():
+    model, kwargs = llama()
+    with torch.no_grad():
+        expected = model(**kwargs).logits
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="omni_offload", fullgraph=True,
+                             options={"strategy": "layerwise", "device": "cpu", "prefetch": 1})
+    with torch.no_grad():
+        out = compiled(**kwargs).logits
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                again = compiled(**kwargs).logits
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    stats = offload_stats(compiled)
+    assert stats.fetch_count == 4 * 7 and stats.bytes_transferred == 4 * stats.total_bytes
+    assert stats.peak_resident_bytes < stats.total_bytes
+
+
+def test_options_may_carry_a_policy_and_stats_reset():
+    model, kwargs = llama(layers=2)
+    policy = OffloadPolicy(strategy="sequential", device="cpu", prefetch=0)
+    compiled = torch.compile(model, backend="omni_offload", options={"policy": policy})
+    with torch.no_grad():
+        compiled(**kwargs)
+    assert offload_stats(compiled).fetch_count > 0
+    reset_offload_stats(compiled)
+    assert offload_stats(compiled).fetch_count == 0 and offload_stats(compiled).bytes_transferred == 0
+
+
+def test_backend_is_found_without_importing_the_package():
+    script = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            expected = model(x)
+            got = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu"})(x)
+        assert "offload_compiler" in sys.modules, "the entry point did not load the backend"
+        stats = sys.modules["offload_compiler"].offload_stats(model)
+        assert torch.equal(got, expected) and stats.fetch_count == 3, stats
+        print("OK", stats.bytes_transferred)
+    """)
+    assert "offload_compiler" not in script.split("omni_offload")[0]
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("OK")
+
+
+class Broken(nn.Module):
+    """Blocks with a graph break between them: every captured graph is scheduled on its own."""
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        x = torch.relu(self.blocks[1](torch.relu(self.blocks[0](x))))
+        torch._dynamo.graph_break()
+        return torch.relu(self.blocks[3](torch.relu(self.blocks[2](x))))
+
+
+class BreakInLoop(Broken):
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+            torch._dynamo.graph_break()  # dynamo then runs the whole frame without a graph
+        return x
+
+
+def test_a_frame_dynamo_skips_is_an_error_not_a_silent_plain_run():
+    m = offload_compile(BreakInLoop(), OffloadPolicy(strategy="layerwise", device="cpu"))
+    with pytest.raises(RuntimeError, match="ran without its offloaded graph"):
+        m(torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_graph_breaks_each_graph_scheduled(compiler):
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler=compiler, debug_poison=True)
+    assert_offload_equivalent(Broken(), policy, torch.randn(2, 16))
+    m = offload_compile(Broken(), policy)
+    m(torch.randn(2, 16))
+    assert len(m._offload_runtime.graph_plans) == 2
+    assert [sum(1 for _ in p.schedule.instances) for p in m._offload_runtime.graph_plans] == [2, 2]
+
+
+def test_fullgraph_policy_rejects_graph_breaks():
+    m = offload_compile(Broken(), OffloadPolicy(strategy="layerwise", device="cpu", fullgraph=True))
+    with pytest.raises(Exception, match="graph_break|graph break"):
+        m(torch.randn(2, 16))
+
+
+def test_module_surface_is_the_original():
+    model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),) * 2, False, True, 2, 1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    m(x)
+    after = m.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit-for-bit
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert m.blocks is model.blocks  # attribute access reaches the model
+    with pytest.raises(ValueError, match="assign=True"):
+        m.load_state_dict(before, assign=True)
+
+
+def test_stats_on_a_plain_module_say_what_to_do():
+    with pytest.raises(ValueError, match="offload_compile"):
+        offload_stats(nn.Linear(2, 2))
+
+
+def test_many_models_of_one_class_never_fall_back_silently():
+    spec = ModelSpec(8, (BlockSpec("mlp", 8),), False, False, 2, 1)
+    for seed in range(12):  # more than dynamo's default recompile limit of 8
+        model, x = build_block_model(spec, seed)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+        assert torch.equal(m(x), model(x).detach())
+        assert offload_stats(m).fetch_count > 0

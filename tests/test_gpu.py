@@ -1,0 +1,50 @@
+"""What only an accelerator can show. Skipped without CUDA; run on a GPU whenever one is available."""
+
+import pytest
+import torch
+
+from offload_compiler import OffloadPolicy, offload_compile, offload_stats
+from offload_compiler.models import llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _model():
+    model, kwargs = llama(layers=8, hidden=512, vocab=2048, seq=64)
+    return model, {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_layerwise_on_cuda_matches_and_uses_less_device_memory(compiler):
+    model, kwargs = _model()
+    plain = __import__("copy").deepcopy(model).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        expected = plain(**kwargs).logits
+    plain_peak = torch.cuda.max_memory_allocated() - base + sum(p.numel() * p.element_size() for p in plain.parameters())
+    del plain
+    torch.cuda.empty_cache()
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cuda", prefetch=1, compiler=compiler))
+    m(**kwargs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = m(**kwargs).logits
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+    stats = offload_stats(m)
+    assert m._offload_runtime.pinned and all(
+        b.host.is_pinned() for g in m._offload_runtime.groups for b in g.buckets if b.host is not None)
+    assert peak < 0.6 * plain_peak, (peak, plain_peak)
+    assert stats.live_device_bytes == 0
+
+
+def test_prefetch_runs_on_a_copy_stream():
+    model, kwargs = _model()
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cuda", prefetch=1))
+    m(**kwargs)
+    assert m._offload_runtime._copy_stream is not None
+    assert m._offload_runtime._copy_stream != torch.cuda.current_stream()

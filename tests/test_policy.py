@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from offload_compiler import OffloadPolicy
+
+
+def test_defaults():
+    p = OffloadPolicy()
+    assert p.strategy == "layerwise" and p.prefetch == 1 and p.blocks_per_group == 1
+    assert p.device == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert p.pin_memory is True and p.compiler == "eager"
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        OffloadPolicy().prefetch = 3
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"strategy": "fastest"}, ["strategy", "layerwise", "budget"]),
+    ({"strategy": 3}, ["strategy"]),
+    ({"prefetch": -1}, ["prefetch", ">= 0"]),
+    ({"prefetch": 1.5}, ["prefetch", "integer"]),
+    ({"prefetch": True}, ["prefetch"]),
+    ({"blocks_per_group": 0}, ["blocks_per_group", ">= 1"]),
+    ({"offload_gb": -2}, ["offload_gb", ">= 0"]),
+    ({"offload_gb": "8"}, ["offload_gb"]),
+    ({"offload_gb": float("nan")}, ["offload_gb"]),
+    ({"strategy": "budget"}, ["offload_gb", "budget"]),
+    ({"compiler": "tvm"}, ["compiler", "eager", "inductor"]),
+    ({"pin_memory": "yes"}, ["pin_memory"]),
+    ({"device": "gpu0"}, ["device"]),
+    ({"device": "meta"}, ["meta"]),
+    ({"blocks_attr": ""}, ["blocks_attr"]),
+])
+def test_invalid_values_name_the_field_and_the_choices(fields, words):
+    with pytest.raises(ValueError) as err:
+        OffloadPolicy(**fields)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_unavailable_device_says_what_to_use():
+    with pytest.raises(ValueError, match="not available.*device='cpu'"):
+        OffloadPolicy(device="cuda")
+
+
+@pytest.mark.parametrize("strategy", ["alternating", "model", "auto"])
+def test_planned_strategies_are_refused_not_ignored(strategy):
+    with pytest.raises(ValueError, match="not implemented"):
+        OffloadPolicy(strategy=strategy)
+
+
+def test_normalisation():
+    p = OffloadPolicy(strategy=" Budget ", offload_gb=1, device="cpu", blocks_attr=["a.b"])
+    assert p.strategy == "budget" and p.offload_gb == 1.0 and isinstance(p.offload_gb, float)
+    assert p.offload_bytes == 2**30 and p.blocks_attr == "a.b"
+
+
+def test_from_options():
+    assert OffloadPolicy.from_options({"strategy": "sequential", "device": "cpu"}).strategy == "sequential"
+    base = OffloadPolicy(device="cpu", prefetch=2)
+    assert OffloadPolicy.from_options({"policy": base}) is base
+    assert OffloadPolicy.from_options({"policy": base, "prefetch": 0}).prefetch == 0
+    with pytest.raises(ValueError, match="unknown omni_offload option.*'stratgy'"):
+        OffloadPolicy.from_options({"stratgy": "layerwise"})
+    with pytest.raises(ValueError, match="must be an OffloadPolicy"):
+        OffloadPolicy.from_options({"policy": {"strategy": "layerwise"}})

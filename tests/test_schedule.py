@@ -1,0 +1,63 @@
+"""The schedule is a pure function of use positions: check its invariants on random use sequences."""
+
+from hypothesis import given, strategies as st
+
+from offload_compiler.passes.schedule import Use, build_schedule, peak_bytes
+
+use_sequences = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2)), min_size=1, max_size=40)
+
+
+def _uses(seq):
+    return [Use(group, pos, pos + extra, key=pos) for pos, (group, extra) in enumerate(seq)]
+
+
+@given(use_sequences, st.integers(0, 3), st.integers(1, 3))
+def test_every_use_is_inside_exactly_one_fetch_of_its_group(seq, prefetch, max_runs):
+    uses = _uses(seq)
+    schedule = build_schedule(uses, prefetch, max_runs)
+    owner = schedule.instance_of()
+    for use in uses:
+        inst = owner[use.key]
+        assert inst.group == use.group and inst.start <= use.start and use.end <= inst.end
+    assert sum(len(i.uses) for i in schedule.instances) == len(uses)
+
+
+@given(use_sequences, st.integers(0, 3), st.integers(1, 3))
+def test_fetch_order_and_prefetch_distance(seq, prefetch, max_runs):
+    schedule = build_schedule(_uses(seq), prefetch, max_runs)
+    starts = [i.start for i in schedule.instances]
+    assert starts == sorted(starts)
+    assert schedule.prefetch_at == tuple(max(i - prefetch, 0) for i in range(len(schedule.instances)))
+
+
+@given(use_sequences, st.integers(0, 3), st.integers(1, 3))
+def test_no_group_has_two_copies_alive(seq, prefetch, max_runs):
+    schedule = build_schedule(_uses(seq), prefetch, max_runs)
+    by_group = {}
+    for inst in schedule.instances:
+        by_group.setdefault(inst.group, []).append(inst)
+    for instances in by_group.values():
+        assert len(instances) <= max_runs
+        for a, b in zip(instances, instances[1:]):
+            assert a.end < b.start  # refetched only after the previous copy's last reader
+
+
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.integers(0, 3))
+def test_linear_chain_peak_is_the_largest_window_of_prefetch_plus_one_groups(sizes, prefetch):
+    uses = [Use(g, 2 * g, 2 * g + 1, key=g) for g in range(len(sizes))]  # group g used once, in order
+    schedule = build_schedule(uses, prefetch)
+    window = prefetch + 1
+    expected = max(sum(sizes[i:i + window]) for i in range(max(len(sizes) - window + 1, 1)))
+    assert peak_bytes(schedule, dict(enumerate(sizes))) == expected
+
+
+def test_weight_used_at_both_ends_is_fetched_twice_and_one_read_everywhere_once():
+    # a tied embedding: used first and last
+    uses = [Use(9, 0, 0, "emb"), Use(0, 1, 1, "b0"), Use(1, 2, 2, "b1"), Use(9, 3, 3, "head")]
+    s = build_schedule(uses, 1)
+    assert [i.group for i in s.instances] == [9, 0, 1, 9]
+    # a table read inside every block: one fetch spanning its first to last read
+    uses = [Use(g, p, p, (g, p)) for p, g in enumerate([0, 9, 1, 9, 2, 9, 3, 9])]
+    s = build_schedule(uses, 1, max_runs=2)
+    assert [i.group for i in s.instances].count(9) == 1
+    assert next(i for i in s.instances if i.group == 9).end == 7
