@@ -1,11 +1,12 @@
 """offload_compiler: run PyTorch models whose weights live in host memory, with weight transfers as
 explicit nodes of the model's graph (eager or inductor)."""
 
-from .api import OffloadedModule, describe_plan, offload_compile, offload_stats, reset_offload_stats
+from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_stats, remove_offload,
+                  reset_offload_stats)
 from .backend import omni_offload
 from .policy import OffloadPolicy
 from .runtime import OffloadStats
 
 __all__ = ["OffloadPolicy", "OffloadStats", "OffloadedModule", "offload_compile", "offload_stats",
-           "reset_offload_stats", "describe_plan", "omni_offload"]
+           "reset_offload_stats", "describe_plan", "remove_offload", "inject_fault", "omni_offload"]
 __version__ = "0.1.0"

@@ -7,7 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backend import RuntimeBackend, build_runtime, runtime_of
+import warnings
+
+import torch.utils._pytree as pytree
+
+from .backend import RuntimeBackend, build_runtime, forget_runtime, runtime_of
 from .policy import OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
@@ -22,6 +26,7 @@ class OffloadedModule(nn.Module):
         super().__init__()
         self._orig_mod = model
         object.__setattr__(self, "_offload_runtime", runtime)
+        object.__setattr__(self, "_warned_inputs", False)
         object.__setattr__(self, "_compiled", torch.compile(
             model, backend=RuntimeBackend(runtime), fullgraph=policy.fullgraph))
 
@@ -31,6 +36,10 @@ class OffloadedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runtime = self._offload_runtime
+        if runtime.closed:
+            raise RuntimeError("remove_offload() gave this model back; call the module it returned, "
+                               "or offload_compile it again")
+        args, kwargs = self._inputs_on_device(args, kwargs)
         calls = runtime.graph_calls
         # every offloaded model of one class is a cache entry of the same code object in dynamo
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
@@ -42,6 +51,50 @@ class OffloadedModule(nn.Module):
                 f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a loop "
                 f"or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
         return out
+
+    def _inputs_on_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Tensor inputs elsewhere than the compute device are moved there (warned once); data-less
+        (meta) inputs are refused."""
+        device = self._offload_runtime.device
+        moved = []
+
+        def place(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or value.device == device:
+                return value
+            if value.is_meta:
+                raise ValueError(f"an input is on the meta device, so it has no data to compute on; pass real "
+                                 f"tensors (on {device})")
+            moved.append(str(value.device))
+            return value.to(device)
+
+        args, kwargs = pytree.tree_map(place, (args, kwargs))
+        if moved and not self._warned_inputs:
+            object.__setattr__(self, "_warned_inputs", True)
+            warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
+                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=3)
+        return args, kwargs
+
+    def to(self, *args: Any, **kwargs: Any) -> "OffloadedModule":
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            self._apply(None)
+        if device is not None:
+            warnings.warn(f"offload_compiler: .to({device}) ignored: this module keeps its weights in host memory "
+                          f"and computes on {self._offload_runtime.device}. To compute elsewhere: "
+                          f"offload_compile(remove_offload(m), policy.replace(device=...))", UserWarning, stacklevel=2)
+        return self
+
+    def cuda(self, device: Any = None) -> "OffloadedModule":
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
+                       if isinstance(device, int) else device)
+
+    def cpu(self) -> "OffloadedModule":
+        return self.to("cpu")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "OffloadedModule":
+        raise RuntimeError("changing the dtype or storage of an offloaded module's weights (.half(), .to(dtype), "
+                           "...) would detach them from their host buffers; convert first: "
+                           "offload_compile(remove_offload(m).to(dtype), policy)")
 
     def state_dict(self, *args: Any, **kwargs: Any):
         return self._orig_mod.state_dict(*args, **kwargs)
@@ -92,3 +145,27 @@ def reset_offload_stats(module: Any) -> None:
 
 def describe_plan(module: Any) -> str:
     return _runtime(module).describe()
+
+
+def remove_offload(module: Any) -> nn.Module:
+    """Undo offloading: every weight gets its own host storage back, device copies are dropped, and the
+    original model is returned (equal to what was offloaded; the offloaded wrapper refuses further calls)."""
+    runtime = _runtime(module)
+    runtime.unpack()
+    model = module._orig_mod if hasattr(module, "_orig_mod") else module
+    forget_runtime(model)
+    return model
+
+
+def inject_fault(module: Any, stage: str, group: int | str | None = None, exception: BaseException | None = None,
+                 times: int = 1) -> None:
+    """Debug surface: make the next ``times`` fetches or evicts (``stage``) of ``group`` (an index, a group
+    name, or None for any) raise ``exception`` — to check that a failing copy or an interrupt in the middle of
+    a forward leaves the model whole."""
+    runtime = _runtime(module)
+    if isinstance(group, str):
+        names = [g.name for g in runtime.groups]
+        if group not in names:
+            raise ValueError(f"unknown group {group!r}; the groups are {names}")
+        group = names.index(group)
+    runtime.inject_fault(stage, group, exception, times)

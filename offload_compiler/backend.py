@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import traceback
 import weakref
 from typing import Any, Callable
 
@@ -36,10 +37,28 @@ class GraphPlan:
     num_nodes: int
 
 
+def _buffers_to_device(model: nn.Module, policy: OffloadPolicy, move: bool) -> None:
+    """With ``offload_buffers=False`` buffers are not managed: they must live on the compute device."""
+    device = policy.torch_device
+    for name, buf in model.named_buffers():
+        if buf is not None and buf.device != device:
+            if not move:
+                raise ValueError(f"offload_buffers=False leaves buffers alone, but {name} is on {buf.device}, not "
+                                 f"{device}: move the buffers to {device} before torch.compile, or use offload_compile")
+            buf.data = buf.data.to(device)
+
+
 def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True) -> OffloadRuntime:
-    runtime = OffloadRuntime(policy, plan_groups(model, policy), type(model).__name__, pack_now)
+    specs = plan_groups(model, policy)
+    if not policy.offload_buffers:
+        _buffers_to_device(model, policy, move=pack_now)
+    runtime = OffloadRuntime(policy, specs, type(model).__name__, pack_now)
     _MODULE_RUNTIMES[model] = runtime
     return runtime
+
+
+def forget_runtime(model: nn.Module) -> None:
+    _MODULE_RUNTIMES.pop(model, None)
 
 
 def runtime_of(module: Any) -> OffloadRuntime | None:
@@ -95,12 +114,19 @@ def _runner(inner: Callable, num_outputs: int, runtime: OffloadRuntime) -> Calla
 
     def run(*args):
         rt = runtime_ref()
-        rt.graph_calls += 1
-        try:
-            out = inner(*args)
-        except BaseException:
-            rt.abandon_pending()
-            raise
+        if rt is None or rt.closed:
+            raise RuntimeError("this offloaded graph's model was given back by remove_offload(); call the module "
+                               "remove_offload returned, or offload_compile it again")
+        with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
+            rt.graph_calls += 1
+            try:
+                out = inner(*args)
+            except BaseException as exc:
+                rt.abandon_pending()
+                # the graph's frames in the traceback would keep its device copies alive as long as the
+                # caller keeps the exception; the error itself (type, message, lines) is unchanged
+                traceback.clear_frames(exc.__traceback__.tb_next if exc.__traceback__ else None)
+                raise
         return out[0] if num_outputs < 0 else tuple(out[:num_outputs])
 
     return run

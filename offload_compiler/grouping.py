@@ -39,6 +39,27 @@ class GroupSpec:
         return sum(w.nbytes for w in self.weights)
 
 
+def _unmovable(tensor: torch.Tensor) -> str | None:
+    if tensor.is_meta:
+        return "on the meta device (not loaded)"
+    if tensor.is_quantized:
+        return "a quantized tensor"
+    if type(tensor.data) is not torch.Tensor:
+        return f"a tensor subclass ({type(tensor.data).__name__})"
+    if tensor.layout != torch.strided:
+        return f"a {tensor.layout} tensor"
+    return None
+
+
+def check_movable(weights: list[Weight]) -> None:
+    """The engine moves plain dense tensors; refuse the others before anything is touched."""
+    bad = [(w.name, why) for w in weights if (why := _unmovable(w.tensor)) is not None]
+    if bad:
+        listed = "; ".join(f"{name} is {why}" for name, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ValueError(f"offload_compiler moves plain dense (strided) tensors only: {listed}. Load real weights "
+                         f"(for meta tensors), dequantize, or convert subclass weights to plain tensors first")
+
+
 def collect_weights(model: nn.Module) -> list[Weight]:
     """Every parameter and buffer once, in registration order; tied tensors keep their first name."""
     seen: set[int] = set()
@@ -148,6 +169,9 @@ def _child_order(model: nn.Module, containers: tuple[str, ...]) -> dict[tuple[in
 def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] | None = None) -> list[GroupSpec]:
     """The weight groups of ``model`` under ``policy``, blocks in model order, then the other groups."""
     weights = collect_weights(model) if weights is None else weights
+    if not policy.offload_buffers:  # buffers are then left alone, on the compute device
+        weights = [w for w in weights if not w.is_buffer]
+    check_movable(weights)
     if policy.strategy == "sequential":
         groups = _by_key(weights, lambda w: _owner(w.name), is_block=False)
         return [dataclasses.replace(g, streamed=True) for g in groups]

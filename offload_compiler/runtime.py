@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import warnings
 import weakref
 from typing import Callable
 
@@ -46,6 +47,14 @@ class OffloadStats:
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_resident_bytes)} of {mib(self.total_bytes)} "
                 f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed)")
+
+
+@dataclasses.dataclass
+class Fault:
+    stage: str
+    group: int | None
+    exception: BaseException
+    times: int
 
 
 @dataclasses.dataclass
@@ -115,6 +124,10 @@ class Ledger:
             self.peak = self.live
 
 
+class PinningUnavailable(RuntimeError):
+    pass
+
+
 def _pin_exact(host: torch.Tensor) -> torch.Tensor:
     """Pin an already-filled host buffer in place at its exact size (no power-of-two rounding of the
     caching host allocator); fall back to a pinned copy where registration is unavailable."""
@@ -124,9 +137,12 @@ def _pin_exact(host: torch.Tensor) -> torch.Tensor:
         if int(getattr(err, "value", err)) == 0:
             weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister, host.data_ptr())
             return host
-    except Exception as exc:  # pragma: no cover - depends on the CUDA runtime
+    except Exception as exc:
         log.debug("cudaHostRegister unavailable (%s); using pin_memory()", exc)
-    return host.pin_memory()
+    try:
+        return host.pin_memory()
+    except RuntimeError as exc:
+        raise PinningUnavailable(str(exc).splitlines()[0]) from None
 
 
 def overlapping(tensors: list[torch.Tensor]) -> set[int]:
@@ -166,7 +182,7 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
     return Group(index, spec.name, spec.streamed, slots, buckets)
 
 
-def pack_group(group: Group, pin: bool) -> None:
+def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None) -> None:
     """Copy a group's weights into one flat host buffer per dtype and make each weight's ``.data`` a view
     into it, so the module keeps its parameters (and ``state_dict``) while one copy moves the group."""
     for bi, bucket in enumerate(group.buckets):
@@ -178,7 +194,12 @@ def pack_group(group: Group, pin: bool) -> None:
             for s in members:
                 flat[s.offset:s.offset + s.numel].copy_(s.tensor.detach().reshape(-1))
         if pin:
-            flat = _pin_exact(flat)
+            try:
+                flat = _pin_exact(flat)
+            except PinningUnavailable as exc:
+                if on_pin_failure is None:
+                    raise
+                on_pin_failure(str(exc))
         for s in members:
             s.tensor.data = flat[s.offset:s.offset + s.numel].view(s.shape)
         bucket.host = flat
@@ -202,9 +223,12 @@ class OffloadRuntime:
             log.debug("pin_memory ignored: compute device %s has no pinned host memory", self.device)
         unpackable = overlapping([w.tensor for spec in specs for w in spec.weights])
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
+        self.lock = threading.RLock()
+        self.closed = False
+        self._faults: list[Fault] = []
         if pack_now:
             for group in self.groups:
-                pack_group(group, self.pinned)
+                self._pack(group)
         self.group_of: dict[int, tuple[int, int]] = {
             id(slot.tensor): (g.index, si) for g in self.groups for si, slot in enumerate(g.slots)}
         self.layout = {g.index: [(s.bucket, s.shape, s.offset) for s in g.slots] for g in self.groups}
@@ -217,7 +241,6 @@ class OffloadRuntime:
         self._resident: dict[int, tuple[list[torch.Tensor], tuple]] = {}
         self._copy_stream = None
         self._fetch_keys = itertools.count(1)
-        self.fault_hook: Callable[[str, int], None] | None = None
         _RUNTIMES[self.id] = self
 
     # -- layout, used by the passes and by the ops' fake implementations -------------------------
@@ -234,10 +257,9 @@ class OffloadRuntime:
     # -- transfers --------------------------------------------------------------------------------
     def _copy_group(self, group: Group) -> tuple[list[torch.Tensor], object]:
         if not group.packed:  # deferred while dynamo still traces the unpacked weights
-            pack_group(group, self.pinned)
+            self._pack(group)
         self._refresh_host(group)
-        if self.fault_hook is not None:
-            self.fault_hook("fetch", group.index)
+        self._maybe_fail("fetch", group.index)
         buffers = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in group.buckets]
         done = None
         if self.device.type == "cuda":
@@ -256,6 +278,33 @@ class OffloadRuntime:
         self.bytes_transferred += group.nbytes
         self.fetch_count += 1
         return buffers, done
+
+    def _pack(self, group: Group) -> None:
+        pack_group(group, self.pinned, self._pinning_failed)
+
+    def _pinning_failed(self, reason: str) -> None:
+        """Pinned memory could not be had: keep going with pageable host memory, saying so once."""
+        self.pinned = False
+        warnings.warn(f"offload_compiler: pinned host memory is unavailable ({reason}); weights stay in pageable "
+                      f"memory, so host-to-device copies are slower and not asynchronous", RuntimeWarning,
+                      stacklevel=2)
+
+    # -- debug surface: fault injection -------------------------------------------------------------
+    def inject_fault(self, stage: str, group: int | None = None, exception: BaseException | None = None,
+                     times: int = 1) -> None:
+        """Raise ``exception`` at the next ``times`` ``stage`` events ("fetch" or "evict") of ``group`` (any
+        group if None): a failing copy, an interrupt in the middle of a forward."""
+        if stage not in ("fetch", "evict"):
+            raise ValueError(f"stage must be 'fetch' or 'evict'; got {stage!r}")
+        self._faults.append(Fault(stage, group, exception or RuntimeError(f"injected fault at {stage}"), times))
+
+    def _maybe_fail(self, stage: str, group: int) -> None:
+        for fault in self._faults:
+            if fault.stage == stage and fault.group in (None, group) and fault.times > 0:
+                fault.times -= 1
+                if fault.times == 0:
+                    self._faults.remove(fault)
+                raise fault.exception
 
     def _stream(self):
         if self._copy_stream is None:
@@ -283,8 +332,7 @@ class OffloadRuntime:
         return buffers
 
     def evict(self, group: int, buffers: list[torch.Tensor], poison: bool) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook("evict", group)
+        self._maybe_fail("evict", group)
         if poison and self.policy.debug_poison:
             for buf in buffers:
                 buf.fill_(float("nan") if buf.dtype.is_floating_point or buf.dtype.is_complex
@@ -311,6 +359,23 @@ class OffloadRuntime:
 
     def release_resident(self) -> None:
         self._resident.clear()
+
+    def unpack(self) -> None:
+        """Give every weight its own storage again (the undo of packing) and drop all device copies."""
+        with self.lock:
+            self.abandon_pending()
+            self.release_resident()
+            for group in self.groups:
+                if not group.packed:
+                    continue
+                for slot in group.slots:
+                    if group.buckets[slot.bucket].owner is None:
+                        slot.tensor.data = slot.tensor.data.clone()
+                for bucket in group.buckets:
+                    if bucket.owner is None:
+                        bucket.host = None
+                group.packed = False
+            self.closed = True
 
     # -- stats --------------------------------------------------------------------------------------
     def stats(self) -> OffloadStats:

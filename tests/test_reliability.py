@@ -1,0 +1,286 @@
+"""Bad input gets a clear error that names the fix; faults leave the model whole. One test per case."""
+
+import gc
+import resource
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import (OffloadPolicy, inject_fault, offload_compile, offload_stats, remove_offload)
+from offload_compiler.testing import BlockSpec, ModelSpec, build_block_model
+
+SPEC = ModelSpec(32, (BlockSpec("mlp", 64), BlockSpec("attention", 2), BlockSpec("mlp", 32)), False, True, 6, 2)
+CPU = dict(device="cpu")
+
+
+def _model(seed=0):
+    model, x = build_block_model(SPEC, seed)
+    return model, x, model(x).detach(), _snapshot(model)
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_whole(model, snapshot, x=None, expected=None, runner=None):
+    """Every weight bit-for-bit what it was, and the model (or its offloaded runner) still right."""
+    state = model.state_dict()
+    assert list(state) == list(snapshot)
+    for name, value in snapshot.items():
+        assert torch.equal(state[name], value), f"{name} changed"
+    if x is not None:
+        assert torch.equal((runner or model)(x).detach(), expected)
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, message", [
+    ({"strategy": "fastest"}, "strategy='fastest' is unknown; choose one of"),
+    ({"prefetch": -1}, "prefetch must be an integer >= 0"),
+    ({"blocks_per_group": "two"}, "blocks_per_group must be an integer >= 1"),
+    ({"strategy": "budget", "offload_gb": -1}, "offload_gb must be a number of GiB >= 0"),
+    ({"strategy": "budget"}, "needs offload_gb"),
+    ({"device": "cuda:7"}, "device='cuda:7'"),
+    ({"device": "nonsense"}, "device='nonsense' is not a device torch knows"),
+])
+def test_bad_policy_values_are_refused_and_nothing_is_touched(fields, message):
+    model, x, expected, snapshot = _model()
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        offload_compile(model, **{**CPU, **fields})
+    assert pointers == [p.data_ptr() for p in model.parameters()]
+    _assert_whole(model, snapshot, x, expected)
+
+
+def test_layerwise_without_blocks_names_the_attribute_and_touches_nothing():
+    model = Plain()
+    snapshot = _snapshot(model)
+    with pytest.raises(ValueError, match="_layerwise_offload_blocks_attr = 'path.to.blocks'"):
+        offload_compile(model, strategy="layerwise", **CPU)
+    _assert_whole(model, snapshot)
+    offloaded = offload_compile(model, strategy="sequential", **CPU)  # the fix the error names works
+    assert offloaded(torch.ones(1, 8)) is not None and offload_stats(offloaded).fetch_count == 2
+
+
+def test_blocks_attribute_pointing_at_nothing():
+    class Misdeclared(Plain):
+        _layerwise_offload_blocks_attr = "model.layers"
+    with pytest.raises(ValueError, match="'model.layers' on Misdeclared points at nothing.*\\['a', 'b'\\]"):
+        offload_compile(Misdeclared(), strategy="layerwise", **CPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning succeeds where CUDA exists")
+def test_pinned_memory_that_cannot_be_had_falls_back_with_one_warning():
+    from offload_compiler.grouping import plan_groups
+    from offload_compiler.runtime import OffloadRuntime
+    model, x, expected, snapshot = _model()
+    policy = OffloadPolicy(strategy="layerwise", **CPU)
+    object.__setattr__(policy, "device", "cuda")  # a CUDA policy on a machine whose torch cannot pin
+    with pytest.warns(RuntimeWarning, match="pinned host memory is unavailable") as caught:
+        runtime = OffloadRuntime(policy, plan_groups(model, policy))
+    assert len([w for w in caught if "pinned" in str(w.message)]) == 1 and not runtime.pinned
+    assert all(g.packed for g in runtime.groups)
+    _assert_whole(model, snapshot, x, expected)
+
+
+@pytest.mark.parametrize("make_bad, why", [
+    (lambda m: m.register_buffer("q", torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)), "quantized"),
+    (lambda m: setattr(m, "ghost", nn.Parameter(torch.empty(4, device="meta"))), "meta device"),
+    (lambda m: m.register_buffer("sparse", torch.eye(4).to_sparse()), "sparse"),
+])
+def test_weights_the_engine_cannot_move_are_refused_by_name(make_bad, why):
+    model, x, expected, _ = _model()
+    make_bad(model)
+    dense = [t for t in list(model.parameters()) + list(model.buffers())
+             if t.layout == torch.strided and not t.is_meta and not t.is_quantized]
+    pointers = [t.data_ptr() for t in dense]
+    with pytest.raises(ValueError, match=f"plain dense.*{why}"):
+        offload_compile(model, strategy="layerwise", **CPU)
+    assert pointers == [t.data_ptr() for t in dense]  # nothing was packed or moved
+
+
+def test_meta_inputs_are_refused_with_the_reason():
+    model, x, expected, snapshot = _model()
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    with pytest.raises(ValueError, match="meta device.*no data"):
+        m(x.to("meta"))
+    _assert_whole(model, snapshot, x, expected, runner=m)
+
+
+def test_to_device_warns_and_keeps_the_offload_dtype_changes_are_refused():
+    model, x, expected, snapshot = _model()
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    with pytest.warns(UserWarning, match="ignored: this module keeps its weights in host memory"):
+        assert m.to("cuda") is m
+    with pytest.warns(UserWarning):
+        assert m.cuda() is m
+    for change in (lambda: m.half(), lambda: m.to(torch.float16), lambda: m.double()):
+        with pytest.raises(RuntimeError, match="remove_offload\\(m\\).to\\(dtype\\)"):
+            change()
+    _assert_whole(model, snapshot, x, expected, runner=m)
+    assert offload_stats(m).bytes_transferred > 0
+
+
+def test_a_buffer_the_forward_modifies_is_refused_and_offload_buffers_false_is_the_fix():
+    class Counter(Plain):
+        _layerwise_offload_blocks_attr = None
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return super().forward(x) + self.calls
+
+    model = Counter()
+    snapshot = _snapshot(model)
+    m = offload_compile(model, strategy="sequential", **CPU)
+    with pytest.raises(Exception, match="modifies weight .*calls.* in place.*offload_buffers=False"):
+        m(torch.ones(1, 8))
+    _assert_whole(model, snapshot)
+    reference = Counter()
+    reference.load_state_dict(snapshot)
+    m = offload_compile(model, strategy="sequential", offload_buffers=False, **CPU)
+    for _ in range(3):
+        assert torch.equal(m(torch.ones(1, 8)), reference(torch.ones(1, 8)).detach())
+    assert model.calls.item() == 3
+
+
+# -- faults leave the model whole ------------------------------------------------------------------------
+
+def _after_fault(model, snapshot, m, x, expected):
+    gc.collect()
+    assert offload_stats(m).live_device_bytes == 0, "a device copy outlived the failed call"
+    assert not m._offload_runtime._pending
+    _assert_whole(model, snapshot, x, expected, runner=m)
+
+
+def test_bad_input_shape():
+    model, x, expected, snapshot = _model()
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    m(x)
+    with pytest.raises(RuntimeError, match="shape|size"):
+        m(torch.randn(2, 6, 5))
+    _after_fault(model, snapshot, m, x, expected)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_an_op_failing_midway(compiler):
+    """An index out of range fails at run time, inside the graph, after weights were fetched."""
+    class Lookup(nn.Module):
+        _layerwise_offload_blocks_attr = "blocks"
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Embedding(4, 8), nn.Linear(8, 8)])
+
+        def forward(self, x, ids):
+            return self.blocks[2](self.blocks[0](x) + self.blocks[1](ids))
+
+    model = Lookup()
+    x, ids = torch.randn(2, 8), torch.tensor([0, 3])
+    expected, snapshot = model(x, ids).detach(), _snapshot(model)
+    m = offload_compile(model, strategy="layerwise", compiler=compiler, **CPU)
+    assert torch.equal(m(x, ids), expected) or compiler == "inductor"
+    with pytest.raises((IndexError, RuntimeError), match="index|out of"):
+        m(x, torch.tensor([0, 9]))
+    gc.collect()
+    assert offload_stats(m).live_device_bytes == 0
+    _assert_whole(model, snapshot)
+    torch.testing.assert_close(m(x, ids), expected)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("stage, exception", [("fetch", RuntimeError("copy engine fault")),
+                                              ("evict", KeyboardInterrupt())])
+def test_failure_inside_a_transfer_reaches_the_caller_unchanged(compiler, stage, exception):
+    model, x, expected, snapshot = _model()
+    m = offload_compile(model, strategy="layerwise", prefetch=1, compiler=compiler, **CPU)
+    first = m(x)
+    inject_fault(m, stage, group="blocks.1", exception=exception)
+    with pytest.raises(type(exception)) as caught:
+        m(x)
+    assert caught.value is exception  # the very object raised, not a wrapper
+    del caught
+    gc.collect()
+    assert offload_stats(m).live_device_bytes == 0 and not m._offload_runtime._pending
+    _assert_whole(model, snapshot)
+    assert torch.equal(m(x), first)
+
+
+def test_a_thousand_calls_do_not_grow_device_copies_or_memory():
+    model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),) * 3, False, True, 2, 1), 1)
+    expected, snapshot = model(x).detach(), _snapshot(model)
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    for _ in range(100):
+        m(x)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    live = []
+    for _ in range(1000):
+        m(x)
+        live.append(offload_stats(m).live_device_bytes)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert set(live) == {0}
+    leak_per_call_kib = offload_stats(m).total_bytes / 1024  # what leaking one call's copies would cost
+    assert grown_kib < 100 * leak_per_call_kib + 4096, f"RSS grew {grown_kib} KiB over 1000 calls"
+    assert offload_stats(m).fetch_count == 1100 * len(m._offload_runtime.graph_plans[0].schedule.instances)
+    _assert_whole(model, snapshot, x, expected, runner=m)
+
+
+def test_two_threads_get_correct_results():
+    model, x, expected, _ = _model()
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    m(x)
+    inputs = [torch.randn_like(x) for _ in range(8)]
+    wanted = [model(i).detach() for i in inputs]
+    errors, results = [], {}
+
+    def worker(tid):
+        try:
+            for rep in range(15):
+                k = (tid + rep) % len(inputs)
+                results[(tid, rep)] = torch.equal(m(inputs[k]), wanted[k])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(results) == 30 and all(results.values())
+
+
+@pytest.mark.parametrize("entry", ["offload_compile", "torch.compile"])
+def test_remove_offload_gives_back_a_plain_equal_module(entry):
+    model, x, expected, snapshot = _model()
+    params = list(model.parameters())
+    if entry == "offload_compile":
+        wrapped = offload_compile(model, strategy="budget", offload_gb=1e-5, **CPU)
+    else:
+        wrapped = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", **CPU})
+    with torch.no_grad():
+        wrapped(x)
+    plain = remove_offload(wrapped)
+    assert plain is model and list(plain.parameters()) == params  # the same objects
+    for p in plain.parameters():  # each weight owns its storage again
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    _assert_whole(plain, snapshot, x, expected)
+    if entry == "offload_compile":
+        with pytest.raises(RuntimeError, match="remove_offload"):
+            wrapped(x)
+    again = offload_compile(plain, strategy="layerwise", **CPU)  # and it can be offloaded again
+    assert torch.equal(again(x), expected)
