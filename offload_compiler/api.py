@@ -12,7 +12,7 @@ import warnings
 import torch.utils._pytree as pytree
 
 from .backend import RuntimeBackend, build_runtime, forget_runtime, runtime_of
-from .policy import OffloadPolicy
+from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
 RECOMPILE_LIMIT = 4096
@@ -112,17 +112,77 @@ class OffloadedModule(nn.Module):
             return getattr(self._orig_mod, name)
 
 
-def offload_compile(model: nn.Module, policy: OffloadPolicy | None = None, **fields: Any) -> OffloadedModule:
-    """Offload ``model``'s weights to host memory and run it through a graph with explicit transfers."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"offload_compile takes an nn.Module; got {type(model).__name__}")
+class PipelineModules(nn.Module):
+    """The nn.Module attributes of a pipeline object (diffusers-style), seen as one model."""
+
+    def __init__(self, pipeline: Any) -> None:
+        super().__init__()
+        found = {name: value for name, value in vars(pipeline).items() if isinstance(value, nn.Module)}
+        if not found:
+            raise TypeError(f"offload_compile takes an nn.Module or a pipeline whose components are nn.Module "
+                            f"attributes; {type(pipeline).__name__} has none")
+        for name, module in found.items():
+            self.add_module(name, module)
+
+
+def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: Any) -> Any:
+    """Offload ``model``'s weights to host memory and run it through graphs with explicit transfers.
+
+    ``model`` is an nn.Module (returns an `OffloadedModule`) or, for the component strategies, a pipeline
+    object whose components are nn.Module attributes (returns the pipeline, its components offloaded)."""
     if policy is None:
         policy = OffloadPolicy(**fields)
     elif fields:
         policy = policy.replace(**fields)
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy; got {type(policy).__name__}")
-    return OffloadedModule(model, policy, build_runtime(model, policy))
+    if not isinstance(model, nn.Module):
+        if policy.strategy not in COMPONENT_STRATEGIES + ("sequential",):
+            raise TypeError(f"offload_compile takes an nn.Module; a pipeline object ({type(model).__name__}) works "
+                            f"with strategy 'model', 'alternating' or 'sequential'")
+        modules = PipelineModules(model)
+        runtime = build_runtime(modules, policy)
+        _offload_component_calls(modules, runtime)
+        model._offload_runtime = runtime
+        return model
+    runtime = build_runtime(model, policy)
+    if policy.strategy in COMPONENT_STRATEGIES or policy.strategy == "sequential":
+        _offload_component_calls(model, runtime)
+    return OffloadedModule(model, policy, runtime)
+
+
+def _offload_component_calls(model: nn.Module, runtime: OffloadRuntime) -> None:
+    """Components are often called on their own, from Python (a thinker's output feeds a talker, a pipeline
+    calls its text encoder): each component's forward becomes a graph of its own on the shared runtime."""
+    for group in runtime.groups:
+        if group.name in ("", "(root)"):
+            continue
+        try:
+            module = model.get_submodule(group.name)
+        except AttributeError:
+            continue
+        module.forward = _OffloadedForward(module, runtime)
+
+
+class _OffloadedForward:
+    """A component's forward, compiled with the model's offload backend; refuses to run un-offloaded."""
+
+    def __init__(self, module: nn.Module, runtime: OffloadRuntime) -> None:
+        self._runtime = runtime
+        self._forward = type(module).forward.__get__(module)
+        self._compiled = torch.compile(self._forward, backend=RuntimeBackend(runtime),
+                                       fullgraph=runtime.policy.fullgraph)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # inside an enclosing offloaded graph: trace through
+            return self._forward(*args, **kwargs)
+        calls = self._runtime.graph_calls
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                                         accumulated_recompile_limit=RECOMPILE_LIMIT):
+            out = self._compiled(*args, **kwargs)
+        if self._runtime.graph_calls == calls and any(g.streamed for g in self._runtime.groups):
+            raise RuntimeError("a component ran without its offloaded graph (dynamo fell back to eager)")
+        return out
 
 
 def _runtime(module: Any) -> OffloadRuntime:

@@ -23,7 +23,7 @@ from .passes.analysis import collect_uses, weight_inputs
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
 from .passes.verify import Verified, verify
-from .policy import OffloadPolicy
+from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime
 
 _MODULE_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, OffloadRuntime]" = weakref.WeakKeyDictionary()
@@ -37,22 +37,30 @@ class GraphPlan:
     num_nodes: int
 
 
-def _buffers_to_device(model: nn.Module, policy: OffloadPolicy, move: bool) -> None:
-    """With ``offload_buffers=False`` buffers are not managed: they must live on the compute device."""
+def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, move: bool) -> None:
+    """Weights in no group (outside the components; buffers with ``offload_buffers=False``) are not managed:
+    they live on the compute device."""
     device = policy.torch_device
-    for name, buf in model.named_buffers():
-        if buf is not None and buf.device != device:
-            if not move:
-                raise ValueError(f"offload_buffers=False leaves buffers alone, but {name} is on {buf.device}, not "
-                                 f"{device}: move the buffers to {device} before torch.compile, or use offload_compile")
-            buf.data = buf.data.to(device)
+    managed = {id(w.tensor) for spec in specs for w in spec.weights}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor is None or id(tensor) in managed or tensor.device == device:
+            continue
+        if not move:
+            raise ValueError(f"{name} is outside the offloaded groups, so it must live on {device}, but it is on "
+                             f"{tensor.device}: move the model to {device} before torch.compile, or use offload_compile")
+        tensor.data = tensor.data.to(device)
 
 
 def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True) -> OffloadRuntime:
     specs = plan_groups(model, policy)
-    if not policy.offload_buffers:
-        _buffers_to_device(model, policy, move=pack_now)
+    _unmanaged_to_device(model, specs, policy, move=pack_now)
     runtime = OffloadRuntime(policy, specs, type(model).__name__, pack_now)
+    managed = {id(w.tensor) for spec in specs for w in spec.weights}
+    seen: set[int] = set()
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in managed and id(tensor) not in seen:
+            seen.add(id(tensor))
+            runtime.unmanaged_bytes += tensor.numel() * tensor.element_size()
     _MODULE_RUNTIMES[model] = runtime
     return runtime
 
@@ -78,10 +86,13 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     weights = weight_inputs(gm, example_inputs, runtime.group_of)
     streamed = {g.index for g in runtime.groups if g.streamed}
     uses, reads = collect_uses(gm, weights, streamed)
-    schedule = build_schedule(uses, runtime.policy.prefetch)
+    policy = runtime.policy
+    alternating = policy.strategy in COMPONENT_STRATEGIES
+    # alternating: a component is alone on the device while it runs, so nothing is fetched ahead of it
+    schedule = build_schedule(uses, 0 if alternating else policy.prefetch)
     resident = {w.group for w in weights.values()} - streamed
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
-                                 runtime.new_fetch_key)
+                                 runtime.new_fetch_key, _parked_instance(schedule, runtime))
     verified = verify(rewritten.graph_module, weights, {g.index: g.nbytes for g in runtime.groups})
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(schedule, verified, len(gm.graph.nodes))
 
@@ -96,6 +107,14 @@ class RuntimeBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
         return compile_graph(gm, example_inputs, self._runtime())
+
+
+def _parked_instance(schedule: Schedule, runtime: OffloadRuntime) -> frozenset[int]:
+    """Latency-minimising alternation keeps the graph's last component on the device after the call."""
+    if runtime.policy.strategy not in COMPONENT_STRATEGIES or not runtime.policy.keep_after_use:
+        return frozenset()
+    last = [i.index for i in schedule.instances if runtime.groups[i.group].exclusive][-1:]
+    return frozenset(last)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Callable:

@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from . import components
 from .policy import OffloadPolicy
 
 BLOCKS_ATTR = "_layerwise_offload_blocks_attr"
@@ -33,6 +34,7 @@ class GroupSpec:
     weights: tuple[Weight, ...]
     streamed: bool
     is_block: bool
+    exclusive: bool = False  # alternates on the device with the other exclusive groups
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +174,9 @@ def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] |
     if not policy.offload_buffers:  # buffers are then left alone, on the compute device
         weights = [w for w in weights if not w.is_buffer]
     check_movable(weights)
+    component_plan = _component_groups(model, policy, weights)
+    if component_plan is not None:
+        return component_plan
     if policy.strategy == "sequential":
         groups = _by_key(weights, lambda w: _owner(w.name), is_block=False)
         return [dataclasses.replace(g, streamed=True) for g in groups]
@@ -205,6 +210,27 @@ def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] |
               for k, ws in sorted(keyed.items()) if k[0] == 0]
     others = [GroupSpec(k[1], tuple(ws), True, False) for k, ws in keyed.items() if k[0] == 1]
     return choose_streamed(blocks + others, policy)
+
+
+def _component_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight]) -> list[GroupSpec] | None:
+    """Groups of the component strategies: one streamed group per component (the innermost holding each
+    weight). Weights outside the components are in no group: they live on the compute device. None where
+    the strategy is not component-based."""
+    if policy.strategy == "model":
+        dits, encoders = components.model_level(model)
+        paths = dits + encoders
+    elif policy.strategy == "alternating" or (policy.strategy == "sequential" and (
+            policy.components is not None or components.discover(model))):
+        paths = components.resolve(model, policy.components)
+    else:
+        return None
+    exclusive = policy.strategy in ("alternating", "model")
+    keyed: dict[str, list[Weight]] = {path: [] for path in paths}
+    for w in weights:
+        owner = components.component_of(w.name, paths)
+        if owner is not None:
+            keyed[owner].append(w)
+    return [GroupSpec(path, tuple(ws), True, False, exclusive) for path, ws in keyed.items() if ws]
 
 
 def _by_key(weights: list[Weight], key, is_block: bool) -> list[GroupSpec]:

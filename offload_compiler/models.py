@@ -74,3 +74,68 @@ def unet(seed: int = 0) -> tuple[nn.Module, dict]:
 
 
 BUILDERS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2, "dit": dit, "flux": flux, "unet": unet}
+
+
+class DiffusionContainer(nn.Module):
+    """Text encoder → DiT (a few denoising steps) → VAE decode, as one module (model-level offload target)."""
+
+    def __init__(self, text_encoder: nn.Module, transformer: nn.Module, vae: nn.Module, steps: int = 2) -> None:
+        super().__init__()
+        self.text_encoder, self.transformer, self.vae, self.steps = text_encoder, transformer, vae, steps
+
+    def forward(self, input_ids: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return denoise_and_decode(self.text_encoder, self.transformer, self.vae, input_ids, latents, self.steps)
+
+
+def denoise_and_decode(text_encoder, transformer, vae, input_ids, latents, steps: int) -> torch.Tensor:
+    encoded = text_encoder(input_ids)
+    text, pooled = encoded.last_hidden_state, encoded.pooler_output
+    b, c, h, w = latents.shape
+    img_ids = torch.zeros(h * w, 3)
+    txt_ids = torch.zeros(text.shape[1], 3)
+    for step in range(steps):
+        tokens = latents.flatten(2).transpose(1, 2)
+        velocity = transformer(hidden_states=tokens, encoder_hidden_states=text, pooled_projections=pooled,
+                               timestep=torch.full((b,), 1.0 - step / steps), img_ids=img_ids,
+                               txt_ids=txt_ids).sample
+        latents = latents - velocity.transpose(1, 2).reshape(b, c, h, w) / steps
+    return vae.decode(latents).sample
+
+
+def _diffusion_parts(seed: int):
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+    g = _seeded(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=100, hidden_size=16, intermediate_size=32,
+                                                num_hidden_layers=2, num_attention_heads=2,
+                                                max_position_embeddings=16, projection_dim=16)).eval()
+    transformer, _ = flux(layers=1, single_layers=2, seed=seed)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
+                        up_block_types=("UpDecoderBlock2D",), block_out_channels=(8,), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=4, sample_size=8).eval()
+    inputs = {"input_ids": torch.randint(0, 100, (1, 8), generator=g), "latents": torch.randn(1, 4, 4, 4, generator=g)}
+    return text_encoder, transformer, vae, inputs
+
+
+def diffusion_container(seed: int = 0) -> tuple[nn.Module, dict]:
+    text_encoder, transformer, vae, inputs = _diffusion_parts(seed)
+    return DiffusionContainer(text_encoder, transformer, vae).eval(), inputs
+
+
+class DiffusionPipeline:
+    """A diffusers-style pipeline object (not an nn.Module) whose components are attributes."""
+
+    def __init__(self, text_encoder: nn.Module, transformer: nn.Module, vae: nn.Module, steps: int = 2) -> None:
+        self.text_encoder, self.transformer, self.vae, self.steps = text_encoder, transformer, vae, steps
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return denoise_and_decode(self.text_encoder, self.transformer, self.vae, input_ids, latents, self.steps)
+
+
+def diffusion_pipeline(seed: int = 0) -> tuple[DiffusionPipeline, dict]:
+    text_encoder, transformer, vae, inputs = _diffusion_parts(seed)
+    return DiffusionPipeline(text_encoder, transformer, vae), inputs
+
+
+BUILDERS["diffusion_container"] = diffusion_container

@@ -46,14 +46,15 @@ def _(runtime, group, key, deps):
 
 @custom_op(f"{NAMESPACE}::evict", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def evict(runtime: int, group: int, poison: bool, buffers: list[torch.Tensor],
-          users: list[torch.Tensor]) -> torch.Tensor:
-    """Runs after every reader of ``buffers``; the graph drops the buffers right after it."""
-    runtime_by_id(runtime).evict(group, buffers, poison)
+          users: list[torch.Tensor], park: bool = False) -> torch.Tensor:
+    """Runs after every reader of ``buffers``; the graph drops the buffers right after it, unless ``park``
+    keeps them on the device for the next call (they are then graph outputs, so never reused by inductor)."""
+    runtime_by_id(runtime).evict(group, buffers, poison, park)
     return _token()
 
 
 @evict.register_fake
-def _(runtime, group, poison, buffers, users):
+def _(runtime, group, poison, buffers, users, park=False):
     return _token()
 
 

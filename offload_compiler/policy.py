@@ -11,8 +11,9 @@ import torch
 
 log = logging.getLogger("offload_compiler")
 
-IMPLEMENTED_STRATEGIES = ("none", "sequential", "layerwise", "budget")
-PLANNED_STRATEGIES = ("alternating", "model", "auto")
+IMPLEMENTED_STRATEGIES = ("none", "sequential", "layerwise", "budget", "alternating", "model")
+PLANNED_STRATEGIES = ("auto",)
+COMPONENT_STRATEGIES = ("alternating", "model")
 COMPILERS = ("eager", "inductor")
 GIB = 1 << 30
 
@@ -53,6 +54,18 @@ class OffloadPolicy:
     fullgraph:         ask dynamo for one graph (error on a graph break) in ``offload_compile``.
     debug_poison:      fill every evicted device copy with NaN (or the dtype's max) so that a read after
                        eviction shows in the output instead of silently reading stale memory.
+    components:        component names, dotted paths or globs (``thinker``, ``thinker.visual``, ``visual.*``)
+                       for ``alternating`` and ``sequential``; None means every component discovered
+                       (``thinker``, ``talker``, ``code2wav``, ``token2wav``, ``visual``, ``audio_tower``,
+                       ``language_model``). Weights outside the components stay resident.
+    keep_after_use:    ``alternating``/``model``: a component stays on the device after its forward until
+                       another component needs the room (latency-minimising, the default); False evicts it
+                       after use (memory-saving).
+
+    ``alternating``: when a component runs it is on the device and the other components are not.
+    ``model``: diffusion model-level offload: the DiT modules (``transformer``, ``transformer_2``, ``dit``,
+    ``language_model``, ``transformer_blocks``) and the encoders (``text_encoder``..., ``image_encoder``)
+    alternate on the device; everything else (the VAE) stays resident.
     """
 
     strategy: str = "layerwise"
@@ -66,6 +79,8 @@ class OffloadPolicy:
     blocks_attr: str | tuple[str, ...] | None = None
     fullgraph: bool = False
     debug_poison: bool = False
+    components: tuple[str, ...] | None = None
+    keep_after_use: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -94,7 +109,16 @@ class OffloadPolicy:
                              "(e.g. OffloadPolicy(strategy='budget', offload_gb=8))")
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r} is unknown; choose one of {COMPILERS}")
-        for name in ("pin_memory", "offload_buffers", "fullgraph", "debug_poison"):
+        if self.components is not None:
+            names = (self.components,) if isinstance(self.components, str) else tuple(self.components)
+            names = tuple(n.strip() for n in names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"components must be a list of component names or None (all discovered); "
+                                 f"got {self.components!r}")
+            if strategy not in ("alternating", "sequential"):
+                raise ValueError(f"components apply to strategy 'alternating' or 'sequential', not {strategy!r}")
+            set_("components", names)
+        for name in ("pin_memory", "offload_buffers", "fullgraph", "debug_poison", "keep_after_use"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if self.blocks_attr is not None:
@@ -110,6 +134,14 @@ class OffloadPolicy:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @classmethod
+    def from_engine_args(cls, args: Mapping[str, Any]) -> "OffloadPolicy":
+        """The policy named by seed engine args: ``cpu_offload_enabled``, ``cpu_offload_components``,
+        ``cpu_offload_strategy``, ``cpu_offload_pin_memory``, ``enable_cpu_offload``,
+        ``enable_layerwise_offload``, ``cpu_offload_gb`` (see `offload_compiler.config`)."""
+        from .config import policy_from_engine_args
+        return policy_from_engine_args(args)
 
     def replace(self, **changes: Any) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)

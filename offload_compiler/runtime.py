@@ -41,12 +41,21 @@ class OffloadStats:
     resident_bytes: int  # persistent device copies of resident groups held now
     streamed_bytes: int  # weights of the groups that are streamed per use
     total_bytes: int  # all weights of the model
+    parked_bytes: int = 0  # components kept on the device after their forward (alternating, model)
+    unmanaged_bytes: int = 0  # weights outside every group, living on the compute device
+
+    @property
+    def peak_device_weight_bytes(self) -> int:
+        """Peak of all weights on the device: the ledger's peak plus the weights that never leave it."""
+        return self.peak_resident_bytes + self.unmanaged_bytes
 
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        total = self.total_bytes + self.unmanaged_bytes
+        kept = f", {mib(self.unmanaged_bytes)} kept on the device" if self.unmanaged_bytes else ""
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
-                f"peak device weights {mib(self.peak_resident_bytes)} of {mib(self.total_bytes)} "
-                f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed)")
+                f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
+                f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept})")
 
 
 @dataclasses.dataclass
@@ -93,6 +102,7 @@ class Group:
     streamed: bool
     slots: list[Slot]
     buckets: list[Bucket]
+    exclusive: bool = False
     packed: bool = False
 
     @property
@@ -179,7 +189,7 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
             slot = Slot(w.name, t, by_dtype[t.dtype], bucket.numel, shape, numel)
             bucket.numel += numel
         slots.append(slot)
-    return Group(index, spec.name, spec.streamed, slots, buckets)
+    return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive)
 
 
 def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None) -> None:
@@ -234,11 +244,13 @@ class OffloadRuntime:
         self.layout = {g.index: [(s.bucket, s.shape, s.offset) for s in g.slots] for g in self.groups}
         self.graph_plans: list = []
         self.graph_calls = 0
+        self.unmanaged_bytes = 0  # weights in no group: they live on the compute device
         self.ledger = Ledger()
         self.bytes_transferred = 0
         self.fetch_count = 0
         self._pending: dict[int, tuple[list[torch.Tensor], object]] = {}
         self._resident: dict[int, tuple[list[torch.Tensor], tuple]] = {}
+        self._parked: dict[int, tuple[list[torch.Tensor], tuple]] = {}
         self._copy_stream = None
         self._fetch_keys = itertools.count(1)
         _RUNTIMES[self.id] = self
@@ -323,7 +335,16 @@ class OffloadRuntime:
                 slot.host_ptr = slot.tensor.data_ptr()
 
     def prefetch(self, key: int, group: int) -> None:
-        self._pending[key] = self._copy_group(self.groups[group])
+        g = self.groups[group]
+        if g.exclusive:  # alternating: other components leave before this one arrives
+            for other in [o for o in self._parked if o != group]:
+                del self._parked[other]
+        parked = self._parked.get(group)
+        if parked is not None and parked[1] == self._stamp(g):
+            self._pending[key] = (parked[0], None)
+        else:
+            self._parked.pop(group, None)
+            self._pending[key] = self._copy_group(g)
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
         buffers, done = self._pending.pop(key, None) or self._copy_group(self.groups[group])
@@ -331,24 +352,32 @@ class OffloadRuntime:
             torch.cuda.current_stream(self.device).wait_event(done)
         return buffers
 
-    def evict(self, group: int, buffers: list[torch.Tensor], poison: bool) -> None:
+    def evict(self, group: int, buffers: list[torch.Tensor], poison: bool, park: bool = False) -> None:
         self._maybe_fail("evict", group)
+        if park:  # latency-minimising: stays on the device until another component needs the room
+            self._parked[group] = (buffers, self._stamp(self.groups[group]))
+            return
+        self._parked.pop(group, None)
         if poison and self.policy.debug_poison:
             for buf in buffers:
                 buf.fill_(float("nan") if buf.dtype.is_floating_point or buf.dtype.is_complex
                           else (True if buf.dtype == torch.bool else torch.iinfo(buf.dtype).max))
 
+    @staticmethod
+    def _stamp(group: Group) -> tuple:
+        """Changes whenever a host weight of the group is modified in place or replaced."""
+        return tuple((s.tensor._version, s.tensor.data_ptr()) for s in group.slots)
+
     def resident(self, group: int) -> list[torch.Tensor]:
         """The persistent device copy of a resident group, refetched when a host weight changed."""
         g = self.groups[group]
-        stamp = tuple((s.tensor._version, s.tensor.data_ptr()) for s in g.slots)
         cached = self._resident.get(group)
-        if cached is not None and cached[1] == stamp:
+        if cached is not None and cached[1] == self._stamp(g):
             return cached[0]
         buffers, done = self._copy_group(g)
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
-        self._resident[group] = (buffers, tuple((s.tensor._version, s.tensor.data_ptr()) for s in g.slots))
+        self._resident[group] = (buffers, self._stamp(g))
         return buffers
 
     def abandon_pending(self) -> None:
@@ -359,6 +388,7 @@ class OffloadRuntime:
 
     def release_resident(self) -> None:
         self._resident.clear()
+        self._parked.clear()
 
     def unpack(self) -> None:
         """Give every weight its own storage again (the undo of packing) and drop all device copies."""
@@ -380,9 +410,10 @@ class OffloadRuntime:
     # -- stats --------------------------------------------------------------------------------------
     def stats(self) -> OffloadStats:
         held = sum(self.groups[g].nbytes for g in self._resident)
+        parked = sum(self.groups[g].nbytes for g in self._parked)
         streamed = sum(g.nbytes for g in self.groups if g.streamed)
         return OffloadStats(self.bytes_transferred, self.ledger.peak, self.fetch_count, self.ledger.live,
-                            held, streamed, self.total_bytes)
+                            held, streamed, self.total_bytes, parked, self.unmanaged_bytes)
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
@@ -398,8 +429,10 @@ class OffloadRuntime:
                          f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
                          f"{mib(v.streamed_peak_bytes)} streamed)")
         resident = sum(g.nbytes for g in self.groups if not g.streamed)
-        lines.append(f"  total {mib(self.total_bytes)}: {mib(resident)} resident, "
-                     f"{mib(self.total_bytes - resident)} streamed")
+        lines.append(f"  total {mib(self.total_bytes + self.unmanaged_bytes)}: {mib(resident)} resident, "
+                     f"{mib(self.total_bytes - resident)} streamed"
+                     + (f", {mib(self.unmanaged_bytes)} outside the groups (kept on the device)"
+                        if self.unmanaged_bytes else ""))
         return "\n".join(lines)
 
     def reset_stats(self) -> None:

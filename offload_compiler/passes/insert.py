@@ -49,7 +49,7 @@ def _slot_views(graph: fx.Graph, buffers: fx.Node, group: int, slots: set[int], 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
                      reads: dict[tuple[fx.Node, int], list[Reads]], resident_groups: set[int],
-                     runtime_id: int, layout: Layout, fetch_key) -> Rewritten:
+                     runtime_id: int, layout: Layout, fetch_key, park: frozenset[int] = frozenset()) -> Rewritten:
     nodes = list(gm.graph.nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -115,8 +115,11 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets[inst.group])]
             rs = [r for use in inst.uses for r in reads[use.key]]
             leaves = list(dict.fromkeys(env[leaf] for r in rs for leaf in r.leaves))
-            poison = not any(r.unordered for r in rs)
-            token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves))
+            parked = inst.index in park
+            poison = not parked and not any(r.unordered for r in rs)
+            token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves, parked))
+            if parked:
+                resident_buffers.extend(items)
             tokens.append(token)
             evicts_since.append(token)
 

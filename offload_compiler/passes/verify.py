@@ -81,7 +81,7 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
             live += group_bytes[node.args[1]]
             fetches += 1
             peak = max(peak, live)
-        elif node.target is OPS.evict.default:
+        elif node.target is OPS.evict.default and not (len(node.args) > 5 and node.args[5]):  # parked stays
             live -= group_bytes[node.args[1]]
         elif node.target is OPS.resident.default:
             resident += group_bytes[node.args[1]]

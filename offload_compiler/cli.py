@@ -1,0 +1,167 @@
+"""Command line: ``python -m offload_compiler plan|run --model pkg.module:fn [flags]``.
+
+``fn()`` returns ``(model, inputs)``: inputs a tuple of positional arguments or a dict of keyword arguments.
+``--model`` may also name a built-in tiny architecture (llama, gpt2, qwen2, dit, flux, unet)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import torch
+
+from .api import describe_plan, offload_compile, offload_stats, reset_offload_stats
+from .config import load_stage_configs, policy_from_engine_args
+from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload-compiler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("plan", "capture the model (one forward) and print the groups, bytes, residency and "
+                                 "predicted peak"),
+                        ("run", "also run the model, print the stats and check outputs against the plain model")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--model", required=True, help="pkg.module:fn returning (model, inputs), or a built-in name")
+        p.add_argument("--device", help="compute device (default: cuda when available, else cpu)")
+        p.add_argument("--strategy", choices=IMPLEMENTED_STRATEGIES)
+        p.add_argument("--prefetch", type=int)
+        p.add_argument("--blocks-per-group", type=int)
+        p.add_argument("--compiler", choices=["eager", "inductor"])
+        p.add_argument("--cpu-offload-enabled", action="store_true", default=None)
+        p.add_argument("--cpu-offload-components", help="comma-separated, e.g. thinker,talker or visual,audio_tower")
+        p.add_argument("--cpu-offload-strategy", choices=["alternating", "sequential"])
+        p.add_argument("--cpu-offload-gb", type=float)
+        p.add_argument("--cpu-offload-pin-memory", action=argparse.BooleanOptionalAction, default=None)
+        p.add_argument("--enable-cpu-offload", action="store_true", default=None)
+        p.add_argument("--enable-layerwise-offload", action="store_true", default=None)
+        p.add_argument("--stage-config", help="stage YAML; its stage's engine_args give the policy")
+        p.add_argument("--stage", type=int, help="stage_id to use from --stage-config (needed if it has several)")
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        if name == "run":
+            p.add_argument("--no-check", action="store_true", help="skip the comparison with the plain model")
+    return parser
+
+
+def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
+    from .models import BUILDERS
+    if spec in BUILDERS:
+        model, inputs = BUILDERS[spec]()
+    else:
+        if ":" not in spec:
+            raise SystemExit(f"--model {spec!r}: expected pkg.module:fn or one of {sorted(BUILDERS)}")
+        module_name, fn_name = spec.split(":", 1)
+        sys.path.insert(0, os.getcwd())
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise SystemExit(f"--model {spec!r}: cannot load {fn_name} from {module_name}: {exc}") from None
+        model, inputs = fn()
+    if isinstance(inputs, dict):
+        return model, (), inputs
+    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
+
+
+def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
+    engine: dict[str, Any] = {}
+    if args.stage_config:
+        stages = load_stage_configs(args.stage_config)
+        if args.stage is None and len(stages) > 1:
+            raise SystemExit(f"{args.stage_config} has stages {[s.stage_id for s in stages]}: choose one with --stage")
+        chosen = [s for s in stages if args.stage is None or s.stage_id == args.stage]
+        if not chosen:
+            raise SystemExit(f"{args.stage_config} has no stage {args.stage}; stages: {[s.stage_id for s in stages]}")
+        engine.update({k: v for k, v in chosen[0].engine_args.items() if k not in ("model_stage", "model_arch")})
+    for flag in ("cpu_offload_enabled", "cpu_offload_components", "cpu_offload_strategy", "cpu_offload_gb",
+                 "cpu_offload_pin_memory", "enable_cpu_offload", "enable_layerwise_offload"):
+        if getattr(args, flag) is not None:
+            engine[flag] = getattr(args, flag)
+    for flag in ("device", "prefetch", "blocks_per_group", "compiler"):
+        if getattr(args, flag) is not None:
+            engine[flag] = getattr(args, flag)
+    if args.strategy is not None:
+        policy = policy_from_engine_args({k: v for k, v in engine.items() if k not in (
+            "cpu_offload_enabled", "enable_cpu_offload", "enable_layerwise_offload")})
+        return policy.replace(strategy=args.strategy)
+    if not any(engine.get(k) for k in ("cpu_offload_enabled", "enable_cpu_offload", "enable_layerwise_offload",
+                                       "cpu_offload_gb")):
+        engine["enable_layerwise_offload"] = True  # the default job: layerwise
+    return policy_from_engine_args(engine)
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _on(v, device) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        policy = policy_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    model, inputs, kwargs = load_model(args.model)
+    model.eval()
+    device = policy.torch_device
+    inputs, kwargs = _on(inputs, device), _on(kwargs, device)
+    plain = copy.deepcopy(model) if args.command == "run" and not args.no_check else None
+    try:
+        offloaded = offload_compile(model, policy)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    with torch.no_grad():
+        out = offloaded(*inputs, **kwargs)
+    report: dict[str, Any] = {"policy": {k: v for k, v in vars(policy).items()}}
+    print(describe_plan(offloaded)) if not args.json else None
+    if args.command == "run":
+        reset_offload_stats(offloaded)
+        with torch.no_grad():
+            out = offloaded(*inputs, **kwargs)
+        stats = offload_stats(offloaded)
+        report["stats"] = vars(stats) if hasattr(stats, "__dict__") else stats.__dict__
+        if not args.json:
+            print(f"stats (one call): {stats}")
+        if plain is not None:
+            with torch.no_grad():
+                expected = plain.to(device)(*inputs, **kwargs)
+            diffs = [(a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+                     for a, b in zip(_tensors(out), _tensors(expected)) if a.is_floating_point()]
+            worst = max(diffs, default=0.0)
+            same = len(_tensors(out)) == len(_tensors(expected)) and worst <= 1e-4
+            report["equivalence"] = {"max_abs_diff": worst, "equal": same}
+            if not args.json:
+                print(f"outputs equal the plain model: {same} (max abs diff {worst:.2e})")
+            if not same:
+                print(json.dumps(report, default=str)) if args.json else None
+                return 1
+    if args.json:
+        report["plan"] = describe_plan(offloaded)
+        print(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

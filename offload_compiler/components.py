@@ -1,0 +1,92 @@
+"""Components: named submodules that move as a unit (stages, encoders), found by name, dotted path or glob."""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from typing import Iterable
+
+from torch import nn
+
+STAGES = ("thinker", "talker", "code2wav", "token2wav")
+SUB_COMPONENTS = ("visual", "audio_tower", "language_model")
+DIT_MODULES = ("transformer", "transformer_2", "dit", "language_model", "transformer_blocks")
+ENCODER_MODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+
+
+def _holds_weights(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _outermost(paths: Iterable[str]) -> list[str]:
+    kept: list[str] = []
+    for path in sorted(set(paths), key=lambda p: (p.count("."), p)):
+        if not any(path.startswith(k + ".") for k in kept):
+            kept.append(path)
+    return kept
+
+
+def module_paths(model: nn.Module) -> list[str]:
+    return [path for path, module in model.named_modules() if path and _holds_weights(module)]
+
+
+def discover(model: nn.Module, names: Iterable[str] = STAGES + SUB_COMPONENTS) -> list[str]:
+    """Paths of known components, outermost first (``thinker`` hides ``thinker.visual`` until it is named)."""
+    wanted = set(names)
+    found = [p for p in module_paths(model) if p.rsplit(".", 1)[-1] in wanted]
+    return _outermost(found)
+
+
+def _matches(path: str, name: str) -> bool:
+    parts = path.split(".")
+    suffixes = [".".join(parts[i:]) for i in range(len(parts))]
+    return any(s == name or fnmatch.fnmatchcase(s, name) for s in suffixes)
+
+
+def resolve(model: nn.Module, names: Iterable[str] | None) -> list[str]:
+    """Module paths of the named components. A name is a module name (``visual`` finds ``thinker.visual``),
+    a dotted path, or a glob (``visual.*``: each child of ``visual``); ``None`` is every discovered component."""
+    paths = module_paths(model)
+    if names is None:
+        found = discover(model)
+        if not found:
+            raise ValueError(f"{type(model).__name__} has none of the known components {list(STAGES + SUB_COMPONENTS)}; "
+                             f"name them with components=[...]; its modules are {_top(model)}")
+        return found
+    chosen: list[str] = []
+    for name in names:
+        hits = _outermost(p for p in paths if _matches(p, name))
+        if not hits:
+            known = discover(model)
+            raise ValueError(f"unknown component {name!r} in {type(model).__name__}; components that exist: "
+                             f"{known or 'none of the known names'}; top-level modules: {_top(model)}")
+        chosen.extend(h for h in hits if h not in chosen)
+    return chosen
+
+
+def _top(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_children() if _holds_weights(m)]
+
+
+def model_level(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Diffusion model-level offload: the DiT modules and the encoders, outermost matches of the names the
+    seed guide lists. Either missing: warn as the guide does and offload nothing."""
+    dits = discover(model, DIT_MODULES)
+    encoders = [e for e in discover(model, ENCODER_MODULES) if not any(e.startswith(d + ".") for d in dits)]
+    dits = [d for d in dits if not any(d.startswith(e + ".") for e in encoders)]
+    if not dits:
+        warnings.warn("No DiT/transformer modules found, skipping model-level offloading", UserWarning, stacklevel=3)
+        return [], []
+    if not encoders:
+        warnings.warn("No encoder modules found, skipping model-level offloading", UserWarning, stacklevel=3)
+        return [], []
+    return dits, encoders
+
+
+def component_of(name: str, components: list[str]) -> str | None:
+    """The innermost component holding weight ``name``."""
+    best = None
+    for path in components:
+        if name.startswith(path + ".") and (best is None or len(path) > len(best)):
+            best = path
+    return best
