@@ -1,0 +1,122 @@
+"""Shared helpers for the benchmarks: environment record, JSON writing, small statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def exact_command() -> str:
+    """The command line that produced a result, runnable from the repository root."""
+    argv = [Path(sys.argv[0]).as_posix()] + sys.argv[1:]
+    try:
+        argv[0] = str(Path(argv[0]).resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        pass
+    return " ".join(shlex.quote(a) for a in ["python", *argv])
+
+
+def git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "host_memory_bytes": host_memory_bytes(),
+        "cuda_available": torch.cuda.is_available(),
+        "git_commit": git_commit(),
+        "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
+                   driver_capability=list(torch.cuda.get_device_capability(0)))
+    for name in ("accelerate", "diffusers", "transformers", "matplotlib"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:
+            env[name] = None
+    return env
+
+
+def median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+    """Least squares y = intercept + slope * x, with R²."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    slope = sxy / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
+    return {"slope": slope, "intercept": intercept, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0}
+
+
+def loglog_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Exponent k of y ~ x^k (1 = linear, 2 = quadratic)."""
+    import math
+    return linear_fit([math.log(x) for x in xs], [math.log(y) for y in ys])["slope"]
+
+
+def write_json(path: Path, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False

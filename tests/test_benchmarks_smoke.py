@@ -1,0 +1,92 @@
+"""The benchmarks run end to end (tiny sizes, CPU) and write the JSON the README describes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: int = 120) -> None:
+    """Run a benchmark's main() in this process (torch is already imported: keeps the test quick). The
+    harness's host-RSS measurement still starts its own fresh subprocesses."""
+    del timeout
+    os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    argv = sys.argv
+    sys.argv = [str(BENCH / script), *args]
+    try:
+        module.main(list(args))
+    finally:
+        sys.argv = argv
+
+
+def test_pass_cost_small(tmp_path):
+    out = tmp_path / "pass_cost.json"
+    _run("pass_cost.py", "--blocks", "2", "6", "16", "--repeats", "2", "--capture-repeats", "1",
+         "--strategies", "layerwise", "--profile-top", "3", "--no-plot", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {"command", "environment", "config", "series", "summary"} <= set(data)
+    assert "pass_cost.py" in data["command"] and data["environment"]["torch"]
+    series = data["series"]["layerwise"]
+    points = series["points"]
+    assert [p["blocks"] for p in points] == [2, 6, 16]
+    nodes = [p["graph_nodes"] for p in points]
+    times = [p["pass_s_median"] for p in points]
+    assert nodes == sorted(nodes) and nodes[0] < nodes[-1]
+    assert times[-1] > times[0] > 0, "pass time must grow with graph size"
+    for p in points:
+        assert p["capture_s_median"] > 0 and 0 < p["pass_over_capture"]
+        assert set(p["stage_s_median"]) == {"analysis.weight_inputs", "analysis.collect_uses",
+                                            "schedule.build_schedule", "insert.insert_transfers", "verify.verify"}
+        assert p["fetches"] >= p["blocks"]  # every block group is streamed under layerwise
+    assert series["fit_pass_s_vs_nodes"]["slope"] > 0 and -1 <= series["fit_pass_s_vs_nodes"]["r2"] <= 1
+    prof = series["profile_largest"]
+    assert prof["total_s"] > 0 and "function" in prof["by_cumulative_time"][0]
+
+
+def test_gpu_harness_smoke(tmp_path):
+    out = tmp_path / "gpu_smoke.json"
+    methods = ["none", "ours-layerwise-p1-eager", "ours-budget-eager",
+               "accelerate-cpu_offload", "diffusers-group-block", "vllm-functional_call"]
+    _run("gpu_offload.py", "--smoke", "--device", "cpu", "--reps", "2", "--methods", *methods,
+         "--workloads", "dit", "llm_decode_b4", "--rss-methods", "ours-layerwise-p1-eager", "--no-plot", "--out", str(out), timeout=180)
+    data = json.loads(out.read_text())
+    assert {"command", "environment", "config", "families", "targets", "host_rss", "pinned_h2d", "notes"} <= set(data)
+    assert data["config"]["smoke"] is True and data["gpu_figures_measured"] is False
+    assert data["pinned_h2d"] is None  # CUDA-only
+    wls = {wl: w for fam in data["families"].values() for wl, w in fam["workloads"].items()}
+    assert set(wls) == {"dit", "llm_decode_b4"}
+    for wl, w in wls.items():
+        res = w["methods"]
+        assert set(res) == set(methods), (wl, set(methods) - set(res))
+        for name, r in res.items():
+            assert "error" not in r, (wl, name, r.get("error"))
+            assert r["time_s_median"] > 0 and len(r["time_s_all"]) == 2
+            assert r["max_memory_allocated_bytes"] is None  # CUDA-only
+            assert r["finite"] and r["max_abs_diff_rel"] < 1e-3, (wl, name, r["max_abs_diff_rel"])
+        for name in ("ours-layerwise-p1-eager", "ours-budget-eager"):
+            ours = res[name]["ours"]
+            assert ours["bytes_transferred_per_call"] > 0 and res[name]["bytes_moved"] > 0
+            assert ours["ledger_peak_bytes"] == ours["plan_predicted_peak_bytes"]
+        # budget streams fewer bytes than layerwise, exactly the bytes the functional_call baseline offloads
+        assert res["ours-budget-eager"]["bytes_moved"] < res["ours-layerwise-p1-eager"]["bytes_moved"]
+    fam_methods = data["families"]["dit"]["methods"]
+    assert fam_methods["vllm-functional_call"]["offloaded_bytes"] == \
+        wls["dit"]["methods"]["ours-budget-eager"]["ours"]["streamed_bytes"]
+    targets = data["targets"]
+    assert targets["dit"]["ours_over_lower_bound"]["value"] is None  # needs the CUDA bandwidth
+    assert targets["dit"]["accelerate_over_ours"]["value"] > 0
+    assert targets["dit"]["functional_call_over_budget"]["value"] > 0
+    rss = data["host_rss"]["dit"]
+    for name in ("ours-layerwise-p1-eager",):
+        assert "error" not in rss[name], rss[name].get("error")
+        assert rss[name]["model_bytes"] > 0 and rss[name]["setup_peak_rss_delta_bytes"] >= 0
