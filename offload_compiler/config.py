@@ -128,11 +128,9 @@ def load_stage_configs(path: str | Path) -> list[StageConfig]:
         if not isinstance(stage_id, int) or isinstance(stage_id, bool):
             raise ValueError(f"{where}: stage_id must be an integer; got {stage_id!r}")
         try:
-            policy = policy_from_engine_args(engine_args, where=f"engine_args of {where}")
+            policy = policy_from_engine_args(engine_args, where="engine_args")
         except ValueError as exc:
-            message = str(exc)
-            raise ValueError(message if message.startswith(str(path)) or where in message
-                             else f"{where}: {message}") from None
+            raise ValueError(f"{where}: {exc}") from None
         stages.append(StageConfig(stage_id, engine_args.get("model_stage"), engine_args.get("model_arch"),
                                   policy, dict(engine_args)))
     ids = [s.stage_id for s in stages]

@@ -1,0 +1,133 @@
+"""Component offload (alternating / sequential), multi-stage models driven stage by stage, diffusion
+model-level offload on a container and on a pipeline object."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from multistage import Omni, Thinker, inputs, omni, thinker
+from offload_compiler import OffloadPolicy, offload_compile, offload_stats
+from offload_compiler.components import resolve
+from offload_compiler.models import DiffusionContainer, diffusion_container, diffusion_pipeline
+from offload_compiler.testing import assert_offload_equivalent
+
+CPU = dict(device="cpu", debug_poison=True)
+
+
+def _bytes(module):
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_sub_components_in_one_forward_are_never_on_the_device_together(compiler):
+    model, args = thinker()
+    policy = OffloadPolicy(strategy="alternating", components=["visual", "audio_tower"], compiler=compiler, **CPU)
+    report = assert_offload_equivalent(model, policy, *args)
+    visual, audio = _bytes(model.visual), _bytes(model.audio_tower)
+    assert report.peak_resident_bytes == max(visual, audio)  # one at a time, the other not even prefetched
+    assert report.bytes_transferred >= 2 * visual + audio  # the last one stays (latency-minimising)
+
+
+def test_stages_called_one_by_one_alternate_on_the_device():
+    model, args = omni()
+    with torch.no_grad():
+        expected = model.token2wav(model.talker(model.thinker(*args)))
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="alternating", **CPU))  # None: discovered
+    assert [g.name for g in m._offload_runtime.groups] == ["talker", "thinker", "token2wav"]
+    sizes = {name: _bytes(getattr(model, name)) for name in ("thinker", "talker", "token2wav")}
+    for call in range(2):
+        live_after = []
+        with torch.no_grad():
+            h = m.thinker(*args)
+            live_after.append(offload_stats(m).live_device_bytes)
+            t = m.talker(h)
+            live_after.append(offload_stats(m).live_device_bytes)
+            out = m.token2wav(t)
+            live_after.append(offload_stats(m).live_device_bytes)
+        assert torch.equal(out, expected)
+        # latency-minimising: each stage stays after its forward, alone, until the next one needs the room
+        assert live_after == [sizes["thinker"], sizes["talker"], sizes["token2wav"]]
+    stats = offload_stats(m)
+    assert stats.peak_resident_bytes == max(sizes.values())
+    seed_claim = 1 - stats.peak_resident_bytes / sum(sizes.values())
+    assert seed_claim > 0.3  # the seeds promise 30-50% for multi-stage models
+
+
+def test_memory_saving_mode_evicts_after_use():
+    model, args = omni()
+    m = offload_compile(model, OffloadPolicy(strategy="alternating", keep_after_use=False, **CPU))
+    with torch.no_grad():
+        m.thinker(*args)
+    assert offload_stats(m).live_device_bytes == 0 and offload_stats(m).parked_bytes == 0
+
+
+def test_sequential_components_fetch_on_demand_with_prefetch():
+    model, args = thinker()
+    policy = OffloadPolicy(strategy="sequential", components=["visual", "audio_tower"], prefetch=1, **CPU)
+    report = assert_offload_equivalent(model, policy, *args)
+    assert report.peak_resident_bytes == _bytes(model.visual) + _bytes(model.audio_tower)  # next one prefetched
+    assert report.bytes_transferred == 2 * (_bytes(model.visual) + _bytes(model.audio_tower))
+
+
+def test_component_names_paths_and_globs():
+    model = Omni()
+    assert resolve(model, ["visual"]) == ["thinker.visual"]
+    assert resolve(model, ["thinker.audio_tower", "talker"]) == ["thinker.audio_tower", "talker"]
+    assert resolve(model, ["visual.*"]) == ["thinker.visual.a", "thinker.visual.b"]
+    assert resolve(model, ["thinker.*"]) == ["thinker.audio_tower", "thinker.language_model", "thinker.lm_head",
+                                             "thinker.visual"]
+    assert resolve(model, None) == ["talker", "thinker", "token2wav"]
+
+
+def test_unknown_component_lists_the_real_ones_and_touches_nothing():
+    model, args = omni()
+    expected = model(*args).detach()
+    with pytest.raises(ValueError, match="unknown component 'vision'.*'talker', 'thinker', 'token2wav'"):
+        offload_compile(model, strategy="alternating", components=["vision"], device="cpu")
+    assert torch.equal(model(*args), expected)
+
+
+def test_the_rest_of_the_model_stays_on_the_device_and_is_reported():
+    model, args = thinker()
+    m = offload_compile(model, OffloadPolicy(strategy="alternating", components=["visual", "audio_tower"], **CPU))
+    m(*args)
+    stats = offload_stats(m)
+    assert stats.unmanaged_bytes == _bytes(model.language_model) + _bytes(model.lm_head)
+    assert stats.peak_device_weight_bytes == stats.peak_resident_bytes + stats.unmanaged_bytes
+    assert "kept on the device" in str(stats)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_model_level_offload_on_a_diffusion_container(compiler):
+    model, kwargs = diffusion_container()
+    report = assert_offload_equivalent(model, OffloadPolicy(strategy="model", compiler=compiler, **CPU), **kwargs)
+    dit, encoder = _bytes(model.transformer), _bytes(model.text_encoder)
+    assert report.peak_resident_bytes == max(dit, encoder)  # mutually exclusive; the VAE is not managed
+
+
+def test_model_level_offload_on_a_pipeline_object():
+    pipe, kwargs = diffusion_pipeline()
+    expected = pipe(**kwargs)
+    dit, encoder = _bytes(pipe.transformer), _bytes(pipe.text_encoder)
+    offloaded = offload_compile(copy.deepcopy(pipe), OffloadPolicy(strategy="model", **CPU))
+    for _ in range(2):
+        assert torch.equal(offloaded(**kwargs), expected)
+    stats = offload_stats(offloaded)
+    assert stats.peak_resident_bytes == max(dit, encoder) and stats.fetch_count == 4
+    assert stats.unmanaged_bytes == _bytes(pipe.vae)
+
+
+@pytest.mark.parametrize("keep, message", [(("transformer", "vae"), "No encoder modules found, skipping model-level"),
+                                           (("text_encoder", "vae"), "No DiT/transformer modules found")])
+def test_model_level_without_dit_or_encoders_warns_and_offloads_nothing(keep, message):
+    model, _ = diffusion_container()
+    partial = torch.nn.Module()
+    for name in keep:
+        partial.add_module(name, getattr(model, name))
+    with pytest.warns(UserWarning, match=message):
+        m = offload_compile(partial, OffloadPolicy(strategy="model", **CPU))
+    assert m._offload_runtime.groups == [] and offload_stats(m).total_bytes == 0
+    held = [t for n in keep for t in list(getattr(model, n).parameters()) + list(getattr(model, n).buffers())]
+    assert offload_stats(m).unmanaged_bytes == sum(t.numel() * t.element_size() for t in held)
