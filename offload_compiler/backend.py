@@ -118,26 +118,60 @@ def _parked_instance(schedule: Schedule, runtime: OffloadRuntime) -> frozenset[i
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Callable:
+    return GraphRunner(gm, example_inputs, runtime)
+
+
+def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> tuple[Callable, int]:
     new_gm, num_outputs, plan = rewrite_graph(gm, example_inputs, runtime)
     runtime.graph_plans.append(plan)
     if runtime.policy.compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        inner = compile_fx(new_gm, example_inputs)
-    else:
-        inner = new_gm
-    return _runner(inner, num_outputs, runtime)
+        return compile_fx(new_gm, example_inputs), num_outputs
+    return new_gm, num_outputs
 
 
-def _runner(inner: Callable, num_outputs: int, runtime: OffloadRuntime) -> Callable:
-    runtime_ref = weakref.ref(runtime)
+class GraphRunner:
+    """Runs one captured graph. Dynamo may call the same graph with other weights of the same shapes (a
+    layer's forward captured once and reused for every layer, after a graph break inside the layer), so the
+    weights passed are checked on every call: the same weights run the graph as compiled; weights of another
+    group with the same layout run it with the group ids remapped; anything else gets a graph of its own."""
 
-    def run(*args):
-        rt = runtime_ref()
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> None:
+        self._gm = gm
+        self._runtime = weakref.ref(runtime)
+        self._weight_positions = [i for i, value in enumerate(example_inputs)
+                                  if isinstance(value, torch.Tensor) and (
+                                      id(value) in runtime.group_of or isinstance(value, nn.Parameter))]
+        self._compiled_ids = self._ids(example_inputs)
+        self._variants: dict[tuple, tuple[Callable, int, dict | None]] = {}
+        inner, num_outputs = _compile_variant(gm, example_inputs, runtime)
+        self._variants[self._compiled_ids] = (inner, num_outputs, None)
+
+    def _ids(self, args) -> tuple:
+        return tuple(id(args[i]) for i in self._weight_positions)
+
+    def _variant_for(self, args, ids: tuple, rt: OffloadRuntime):
+        remap = rt.remap_between([args[i] for i in self._weight_positions], self._compiled_ids)
+        base_inner, base_outputs, _ = self._variants[self._compiled_ids]
+        if remap is not None:
+            variant = (base_inner, base_outputs, remap)
+        else:
+            inner, num_outputs = _compile_variant(self._gm, list(args), rt)
+            variant = (inner, num_outputs, None)
+        self._variants[ids] = variant
+        return variant
+
+    def __call__(self, *args):
+        rt = self._runtime()
         if rt is None or rt.closed:
             raise RuntimeError("this offloaded graph's model was given back by remove_offload(); call the module "
                                "remove_offload returned, or offload_compile it again")
         with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
+            ids = self._ids(args)
+            variant = self._variants.get(ids) or self._variant_for(args, ids, rt)
+            inner, num_outputs, remap = variant
             rt.graph_calls += 1
+            rt.group_remap = remap
             try:
                 out = inner(*args)
             except BaseException as exc:
@@ -146,9 +180,9 @@ def _runner(inner: Callable, num_outputs: int, runtime: OffloadRuntime) -> Calla
                 # caller keeps the exception; the error itself (type, message, lines) is unchanged
                 traceback.clear_frames(exc.__traceback__.tb_next if exc.__traceback__ else None)
                 raise
+            finally:
+                rt.group_remap = None
         return out[0] if num_outputs < 0 else tuple(out[:num_outputs])
-
-    return run
 
 
 _LOCAL = re.compile(r"^([LG])\['([^']+)'\]")

@@ -244,6 +244,7 @@ class OffloadRuntime:
         self.layout = {g.index: [(s.bucket, s.shape, s.offset) for s in g.slots] for g in self.groups}
         self.graph_plans: list = []
         self.graph_calls = 0
+        self.group_remap: dict[int, int] | None = None  # per call: compiled group -> group of the weights passed
         self.unmanaged_bytes = 0  # weights in no group: they live on the compute device
         self.ledger = Ledger()
         self.bytes_transferred = 0
@@ -335,6 +336,7 @@ class OffloadRuntime:
                 slot.host_ptr = slot.tensor.data_ptr()
 
     def prefetch(self, key: int, group: int) -> None:
+        group = self._actual(group)
         g = self.groups[group]
         if g.exclusive:  # alternating: other components leave before this one arrives
             for other in [o for o in self._parked if o != group]:
@@ -347,12 +349,14 @@ class OffloadRuntime:
             self._pending[key] = self._copy_group(g)
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
+        group = self._actual(group)
         buffers, done = self._pending.pop(key, None) or self._copy_group(self.groups[group])
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         return buffers
 
     def evict(self, group: int, buffers: list[torch.Tensor], poison: bool, park: bool = False) -> None:
+        group = self._actual(group)
         self._maybe_fail("evict", group)
         if park:  # latency-minimising: stays on the device until another component needs the room
             self._parked[group] = (buffers, self._stamp(self.groups[group]))
@@ -363,6 +367,30 @@ class OffloadRuntime:
                 buf.fill_(float("nan") if buf.dtype.is_floating_point or buf.dtype.is_complex
                           else (True if buf.dtype == torch.bool else torch.iinfo(buf.dtype).max))
 
+    def _actual(self, group: int) -> int:
+        remap = self.group_remap
+        return group if remap is None else remap.get(group, group)
+
+    def _layout_signature(self, group: int) -> tuple:
+        return tuple((s.bucket, s.shape, s.offset) for s in self.groups[group].slots) + tuple(
+            (b.dtype, b.numel, b.owner is None) for b in self.groups[group].buckets)
+
+    def remap_between(self, passed: list, compiled_ids: tuple) -> dict[int, int] | None:
+        """Group ids mapping the weights a graph was compiled with onto the weights it is called with, when
+        every weight sits in the same slot of a group with the same layout; None otherwise."""
+        remap: dict[int, int] = {}
+        for tensor, compiled_id in zip(passed, compiled_ids):
+            now = self.group_of.get(id(tensor))
+            then = self.group_of.get(compiled_id)  # the compiled-with weights are alive: dynamo holds them
+            if now is None or then is None or now[1] != then[1]:
+                return None
+            if remap.setdefault(then[0], now[0]) != now[0]:
+                return None
+            if self.groups[then[0]].streamed != self.groups[now[0]].streamed or \
+                    self._layout_signature(then[0]) != self._layout_signature(now[0]):
+                return None
+        return remap
+
     @staticmethod
     def _stamp(group: Group) -> tuple:
         """Changes whenever a host weight of the group is modified in place or replaced."""
@@ -370,6 +398,7 @@ class OffloadRuntime:
 
     def resident(self, group: int) -> list[torch.Tensor]:
         """The persistent device copy of a resident group, refetched when a host weight changed."""
+        group = self._actual(group)
         g = self.groups[group]
         cached = self._resident.get(group)
         if cached is not None and cached[1] == self._stamp(g):

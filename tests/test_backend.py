@@ -135,3 +135,37 @@ def test_many_models_of_one_class_never_fall_back_silently():
         m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
         assert torch.equal(m(x), model(x).detach())
         assert offload_stats(m).fetch_count > 0
+
+
+class BreakInsideBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()  # dynamo captures this forward once and calls it for every block
+        return torch.relu(self.b(x))
+
+
+class ReusedGraphs(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(BreakInsideBlock() for _ in range(4))
+        self.mixed = nn.Linear(16, 16, dtype=torch.float64)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("strategy", ["layerwise", "sequential", "none"])
+def test_a_graph_dynamo_reuses_for_other_weights_reads_those_weights(strategy, compiler):
+    model = ReusedGraphs()
+    policy = OffloadPolicy(strategy=strategy, device="cpu", compiler=compiler, debug_poison=True)
+    report = assert_offload_equivalent(model, policy, torch.randn(2, 16))
+    assert report.bytes_transferred > 0  # and the ledger matched the plan: each block read its own weights
