@@ -27,7 +27,10 @@ def test_fetch_order_and_prefetch_distance(seq, prefetch, max_runs):
     schedule = build_schedule(_uses(seq), prefetch, max_runs)
     starts = [i.start for i in schedule.instances]
     assert starts == sorted(starts)
-    assert schedule.prefetch_at == tuple(max(i - prefetch, 0) for i in range(len(schedule.instances)))
+    points = schedule.prefetch_at
+    assert list(points) == sorted(points)  # prefetches are issued in fetch order
+    for i, at in enumerate(points):
+        assert max(i - prefetch, 0) <= at <= i  # never later than its own wait, never more than `prefetch` ahead
 
 
 @given(use_sequences, st.integers(0, 3), st.integers(1, 3))
@@ -40,6 +43,15 @@ def test_no_group_has_two_copies_alive(seq, prefetch, max_runs):
         assert len(instances) <= max_runs
         for a, b in zip(instances, instances[1:]):
             assert a.end < b.start  # refetched only after the previous copy's last reader
+            # ... and not even prefetched before it: never two copies of one group on the device
+            assert schedule.instances[schedule.prefetch_at[b.index]].start > a.end
+
+
+def test_tied_weight_is_not_prefetched_while_its_first_copy_is_alive():
+    uses = [Use(9, 0, 0, "emb"), Use(0, 1, 1, "b0"), Use(1, 2, 2, "norm"), Use(9, 3, 3, "head")]
+    s = build_schedule(uses, 3)
+    assert s.prefetch_at == (0, 0, 0, 1)  # the head's copy is prefetched after the embedding's copy is gone
+    assert peak_bytes(s, {9: 100, 0: 10, 1: 1}) == 111
 
 
 @given(st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.integers(0, 3))

@@ -64,8 +64,23 @@ def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2) -> Schedul
             spans.append((min(u.start for u in run), group, max(u.end for u in run), tuple(run)))
     spans.sort(key=lambda s: (s[0], s[1]))
     instances = tuple(Instance(i, group, start, end, run) for i, (start, group, end, run) in enumerate(spans))
-    prefetch_at = tuple(max(i - prefetch, 0) for i in range(len(instances)))
-    return Schedule(instances, prefetch_at, prefetch)
+    return Schedule(instances, _prefetch_points(instances, prefetch), prefetch)
+
+
+def _prefetch_points(instances: tuple[Instance, ...], prefetch: int) -> tuple[int, ...]:
+    """Instance i is prefetched at the wait of instance i - prefetch, but never before the previous copy of
+    its group was evicted (a weight used at both ends must not be on the device twice), and in order."""
+    points: list[int] = []
+    last_end: dict[int, int] = {}
+    for inst in instances:
+        at = max(inst.index - prefetch, 0, points[-1] if points else 0)
+        previous_end = last_end.get(inst.group)
+        if previous_end is not None:
+            while instances[at].start <= previous_end:
+                at += 1
+        points.append(at)
+        last_end[inst.group] = inst.end
+    return tuple(points)
 
 
 def peak_bytes(schedule: Schedule, nbytes: dict[int, int]) -> int:
