@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from .api import offload_compile, offload_stats
-from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
+from .policy import OffloadPolicy
+
+GENERIC_STRATEGIES = ("none", "sequential", "layerwise", "budget")
 
 try:
     from hypothesis import strategies as st
@@ -121,9 +123,10 @@ if st is not None:
         tied weights, buffers and a parent-level table."""
         return st.builds(build_block_model, model_specs(max_blocks), st.integers(0, 2**16))
 
-    def policies(strategies: Sequence[str] = IMPLEMENTED_STRATEGIES, devices: Sequence[str] = ("cpu",),
+    def policies(strategies: Sequence[str] = GENERIC_STRATEGIES, devices: Sequence[str] = ("cpu",),
                  compilers: Sequence[str] = ("eager",), max_prefetch: int = 3) -> "st.SearchStrategy[OffloadPolicy]":
-        """Valid policies; ``budget`` draws offload_gb from nothing to more than a small model holds."""
+        """Valid policies; ``budget`` draws offload_gb from nothing to more than a small model holds. The
+        default strategies apply to any model; the component strategies need named components."""
         def build(strategy, device, compiler, prefetch, per_group, budget_kib):
             return OffloadPolicy(strategy=strategy, device=device, compiler=compiler, prefetch=prefetch,
                                  blocks_per_group=per_group, debug_poison=True,
