@@ -69,6 +69,9 @@ def offload_compile(model: nn.Module, policy: OffloadPolicy | None = None, **fie
         policy = policy.replace(**fields)
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy; got {type(policy).__name__}")
+    if policy.strategy == "auto":  # the planner needs the graph, so it plans at the first call
+        from .auto import AutoOffloadedModule
+        return AutoOffloadedModule(model, policy)
     return OffloadedModule(model, policy, build_runtime(model, policy))
 
 
