@@ -134,8 +134,9 @@ def predict(table: CostTable, choice: Choice) -> Prediction:
                       len(schedule.instances), schedule)
 
 
-def _replay(table: CostTable, schedule: Schedule) -> float:
-    """Forward time of a schedule: waits in order, each issuing the prefetches the schedule puts there."""
+def _replay(table: CostTable, schedule: Schedule, events: list | None = None) -> float:
+    """Forward time of a schedule: waits in order, each issuing the prefetches the schedule puts there.
+    ``events`` collects (kind, group, start, end) for a timeline."""
     instances = schedule.instances
     issued_at: dict[int, list[int]] = {}
     for inst in instances:
@@ -143,19 +144,29 @@ def _replay(table: CostTable, schedule: Schedule) -> float:
     clock = copy_free = 0.0
     position = 0
     done: dict[int, float] = {}
+    record = events.append if events is not None else (lambda _: None)
     for inst in instances:
+        record(("compute", -1, clock, clock + table.compute_between(position, inst.start)))
         clock += table.compute_between(position, inst.start)
         position = inst.start
         for ahead in issued_at.get(inst.index, ()):
-            seconds = table.transfer_s(instances[ahead].group)
+            group, seconds = instances[ahead].group, table.transfer_s(instances[ahead].group)
             if table.overlap:
-                copy_free = max(clock, copy_free) + seconds
-                done[ahead] = copy_free
+                start = max(clock, copy_free)
+                copy_free = done[ahead] = start + seconds
             else:
-                clock += seconds
+                start, clock = clock, clock + seconds
                 done[ahead] = clock
+            record(("transfer", group, start, done[ahead]))
         clock = max(clock, done[inst.index])
+    record(("compute", -1, clock, clock + table.compute_between(position, len(table.node_seconds))))
     return clock + table.compute_between(position, len(table.node_seconds))
+
+
+def timeline(table: CostTable, choice: Choice) -> list[tuple[str, int, float, float]]:
+    events: list[tuple[str, int, float, float]] = []
+    _replay(table, schedule_for(table, choice), events)
+    return events
 
 
 # -- the search ---------------------------------------------------------------------------------------

@@ -172,3 +172,15 @@ def test_offload_plan_of_a_module_without_one():
     with pytest.raises(Exception, match="strategy='auto' plans before compiling"):  # dynamo wraps it
         torch.compile(torch.nn.Linear(2, 2), backend="omni_offload",
                       options={"strategy": "auto", "device": "cpu", "device_budget_gb": 1})(torch.ones(2))
+
+
+def test_cli_prints_the_plan_and_saves_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from offload_compiler.cli import main
+    assert main(["--model", "llama", "--device", "cpu", "--budget-gb", "0.0003", "--json", "--plots",
+                 str(tmp_path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["predicted"]["peak_bytes"] <= data["budget_bytes"]
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "residency.png").stat().st_size > 0
+    assert main(["--model", "llama", "--device", "cpu", "--budget-gb", "0.00001"]) == 2
+    assert "device_budget_gb >=" in capsys.readouterr().err
