@@ -10,11 +10,13 @@ the ledger's). Time comes from a two-resource replay: compute runs position by p
 at the wait where the schedule issues it and either runs on a copy engine beside compute (``overlap``, an
 accelerator with a copy stream) or inline on the compute thread (CPU). Compute waits for each fetch it reads.
 
-`solve` is an exact branch and bound over residency for every prefetch depth. Two facts make it prune:
-  * keeping more groups resident never makes the replay slower (fewer fetches, each issued no later), so
-    the time with every undecided group resident bounds a subtree from below — and if that choice fits the
-    budget, it *is* the subtree's best;
-  * a streamed group is on the device at some moment together with every resident group, so
+`solve` is an exact branch and bound over residency for every prefetch depth. Keeping more groups resident
+is *not* always faster (an early small streamed group is where the first prefetches are issued; without it
+they start later), so the bounds are relaxations that hold for every completion of a partial choice:
+  * time: every group decided streamed is fetched at least once before its first use, on one copy engine
+    that starts at 0 and never idles (inline copies: each adds its transfer time; the undecided groups that
+    fit the room left are kept resident, as a fractional knapsack);
+  * peak: a streamed group is on the device at some moment together with every resident group, so
     activations + resident bytes + the largest group not yet resident bounds the peak from below.
 The search stops after ``max_nodes`` and then says the plan is not proven optimal.
 """
@@ -69,6 +71,12 @@ class CostTable:
 
     def transfer_s(self, group: int) -> float:
         return self.fetch_overhead_s + self.groups[group].nbytes / self.bandwidth
+
+    def first_use(self) -> dict[int, int]:
+        first: dict[int, int] = {}
+        for use in self.uses:
+            first.setdefault(use.group, use.start)
+        return first
 
     def group_compute_s(self) -> dict[int, float]:
         """Compute attributed to each group: from each of its fetches to the next fetch of any group, when
@@ -287,16 +295,15 @@ def solve(table: CostTable, budget_bytes: int, max_prefetch: int = 4, max_nodes:
         if table.activation_bytes + resident_bytes + max(largest_streamed, suffix_max[i]) > budget_bytes:
             return
         best = state["best"]
-        if best is not None and not table.overlap and not _faster_than_bound(
-                best, _inline_bound(table, order, i, resident, budget_bytes - resident_bytes, largest_streamed)):
-            return
+        if best is not None:
+            room = budget_bytes - resident_bytes
+            decided_streamed = set(order[:i]) - resident
+            bound = (_overlap_bound(table, decided_streamed) if table.overlap
+                     else _inline_bound(table, order, i, resident, room, largest_streamed))
+            if not _faster_than_bound(best, bound):
+                return
         optimistic = Choice(resident | frozenset(order[i:]), depth)
-        bound = predict(table, optimistic)
-        if best is not None and not _faster(bound, best):
-            return
-        if bound.peak_bytes <= budget_bytes:
-            offer(optimistic, bound)  # the fastest choice below this node, and it fits
-            return
+        offer(optimistic, predict(table, optimistic))
         if i == len(order):
             return
         g = order[i]
@@ -313,6 +320,20 @@ def solve(table: CostTable, budget_bytes: int, max_prefetch: int = 4, max_nodes:
 
 def _faster_than_bound(best: Prediction, bound_s: float) -> bool:
     return bound_s < best.time_s and not math.isclose(bound_s, best.time_s, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def _overlap_bound(table: CostTable, streamed: set[int]) -> float:
+    """A lower bound on the time of any plan streaming at least ``streamed``, copies beside compute: each of
+    these groups is fetched at least once before its first use, on one copy engine that never idles."""
+    first = table.first_use()
+    clock = copy_free = 0.0
+    position = 0
+    for start, g in sorted((first[g], g) for g in streamed):
+        clock += table.compute_between(position, start)
+        position = start
+        copy_free += table.transfer_s(g)
+        clock = max(clock, copy_free)
+    return clock + table.compute_between(position, len(table.node_seconds))
 
 
 def _inline_bound(table: CostTable, order: list[int], i: int, resident: frozenset[int], room: int,
