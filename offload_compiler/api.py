@@ -136,6 +136,9 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
         policy = policy.replace(**fields)
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy; got {type(policy).__name__}")
+    if policy.strategy == "auto":  # the planner needs the graph, so it plans at the first call
+        from .auto import AutoOffloadedModule
+        return AutoOffloadedModule(model, policy)
     if not isinstance(model, nn.Module):
         if policy.strategy not in COMPONENT_STRATEGIES + ("sequential",):
             raise TypeError(f"offload_compile takes an nn.Module; a pipeline object ({type(model).__name__}) works "

@@ -227,4 +227,7 @@ def _runtime_for(gm: fx.GraphModule, example_inputs: list, policy: OffloadPolicy
 def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_: Any) -> Callable:
     """``torch.compile(model, backend="omni_offload", options={"strategy": ..., ...} | {"policy": policy})``."""
     policy = OffloadPolicy.from_options(options)
+    if policy.strategy == "auto":
+        raise ValueError("strategy='auto' plans before compiling: use offload_compiler.offload_compile(model, "
+                         "OffloadPolicy(strategy='auto', device_budget_gb=...)) instead of torch.compile")
     return compile_graph(gm, example_inputs, _runtime_for(gm, example_inputs, policy))

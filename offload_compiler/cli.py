@@ -1,5 +1,8 @@
 """Command line: ``python -m offload_compiler plan|run --model pkg.module:fn [flags]``.
 
+``--device-budget-gb X`` (or ``--strategy auto``) lets the planner choose residency and prefetch for a device
+budget; the plan then prints as the planner's table (``--json`` as its dict, ``--plots DIR`` as PNGs).
+
 ``fn()`` returns ``(model, inputs)``: inputs a tuple of positional arguments or a dict of keyword arguments.
 ``--model`` may also name a built-in tiny architecture (llama, gpt2, qwen2, dit, flux, unet)."""
 
@@ -7,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib
 import json
 import os
@@ -16,6 +20,8 @@ from typing import Any, Sequence
 import torch
 
 from .api import describe_plan, offload_compile, offload_stats, reset_offload_stats
+from .auto import offload_plan
+from .planner import InfeasibleBudgetError
 from .config import load_stage_configs, policy_from_engine_args
 from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
 
@@ -30,7 +36,12 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--model", required=True, help="pkg.module:fn returning (model, inputs), or a built-in name")
         p.add_argument("--device", help="compute device (default: cuda when available, else cpu)")
-        p.add_argument("--strategy", choices=IMPLEMENTED_STRATEGIES)
+        p.add_argument("--strategy", choices=IMPLEMENTED_STRATEGIES + ("auto",))
+        p.add_argument("--device-budget-gb", help="strategy auto: GiB of device memory for weights and activations, "
+                                                  "or 'free' (free memory now minus --budget-margin-gb)")
+        p.add_argument("--budget-margin-gb", type=float)
+        p.add_argument("--plots", metavar="DIR", help="strategy auto: save timeline.png and residency.png")
+        p.add_argument("--calls", type=int, default=2, help="calls to run (auto times calls 3 to 5 for the plan)")
         p.add_argument("--prefetch", type=int)
         p.add_argument("--blocks-per-group", type=int)
         p.add_argument("--compiler", choices=["eager", "inductor"])
@@ -85,6 +96,12 @@ def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
     for flag in ("device", "prefetch", "blocks_per_group", "compiler"):
         if getattr(args, flag) is not None:
             engine[flag] = getattr(args, flag)
+    if args.device_budget_gb is not None or args.strategy == "auto":
+        budget = args.device_budget_gb or "free"
+        auto = {"strategy": "auto", "device_budget_gb": budget if budget == "free" else float(budget)}
+        if args.budget_margin_gb is not None:
+            auto["budget_margin_gb"] = args.budget_margin_gb
+        return OffloadPolicy(**{k: v for k, v in engine.items() if k in ("device", "compiler")}, **auto)
     if args.strategy is not None:
         policy = policy_from_engine_args({k: v for k, v in engine.items() if k not in (
             "cpu_offload_enabled", "enable_cpu_offload", "enable_layerwise_offload")})
@@ -132,16 +149,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         offloaded = offload_compile(model, policy)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    with torch.no_grad():
-        out = offloaded(*inputs, **kwargs)
-    report: dict[str, Any] = {"policy": {k: v for k, v in vars(policy).items()}}
-    print(describe_plan(offloaded)) if not args.json else None
-    if args.command == "run":
-        reset_offload_stats(offloaded)
+    try:
         with torch.no_grad():
             out = offloaded(*inputs, **kwargs)
+    except InfeasibleBudgetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    auto = policy.strategy == "auto"
+    report: dict[str, Any] = {"policy": {k: v for k, v in vars(policy).items()}}
+    if args.command == "run":
+        for _ in range(max(args.calls - 1, 1)):
+            reset_offload_stats(offloaded)
+            with torch.no_grad():
+                out = offloaded(*inputs, **kwargs)
         stats = offload_stats(offloaded)
-        report["stats"] = vars(stats) if hasattr(stats, "__dict__") else stats.__dict__
+        report["stats"] = dataclasses.asdict(stats)
         if not args.json:
             print(f"stats (one call): {stats}")
         if plain is not None:
@@ -155,11 +177,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.json:
                 print(f"outputs equal the plain model: {same} (max abs diff {worst:.2e})")
             if not same:
-                print(json.dumps(report, default=str)) if args.json else None
+                if args.json:
+                    print(json.dumps(report, default=str))
                 return 1
+    plan = offload_plan(offloaded) if auto else None
+    if plan is not None and args.plots:
+        for path in plan.save_plots(args.plots):
+            print(f"saved {path}", file=sys.stderr)
     if args.json:
-        report["plan"] = describe_plan(offloaded)
+        report["plan"] = plan.to_dict() if plan is not None else describe_plan(offloaded)
         print(json.dumps(report, default=str))
+    else:
+        print(plan if plan is not None else describe_plan(offloaded))
     return 0
 
 

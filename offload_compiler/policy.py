@@ -12,10 +12,11 @@ import torch
 log = logging.getLogger("offload_compiler")
 
 IMPLEMENTED_STRATEGIES = ("none", "sequential", "layerwise", "budget", "alternating", "model")
-PLANNED_STRATEGIES = ("auto",)
+PLANNER_STRATEGIES = ("auto",)  # chosen by offload_compiler.planner, not by a fixed rule
 COMPONENT_STRATEGIES = ("alternating", "model")
 COMPILERS = ("eager", "inductor")
 GIB = 1 << 30
+KNOWN = IMPLEMENTED_STRATEGIES + PLANNER_STRATEGIES
 
 
 def default_device() -> str:
@@ -43,10 +44,16 @@ class OffloadPolicy:
         ``budget``     like vLLM's ``cpu_offload_gb``: ``offload_gb`` GiB of weights are streamed
                        (whole blocks, front to back, then the largest other groups), the rest stays
                        resident on the device.
+        ``auto``       a planner picks the resident groups, the prefetch depth and ``blocks_per_group``
+                       that minimise the predicted forward time with a predicted device peak (weights and
+                       activations) within ``device_budget_gb``; it plans at the first call.
     device:            the compute device; weights live in host memory.
     prefetch:          how many groups are fetched ahead of the one being computed.
     blocks_per_group:  consecutive blocks that move together (layerwise, budget).
     offload_gb:        GiB of weights streamed (budget).
+    device_budget_gb:  GiB of device memory the model may use (auto), or ``"free"``: what the device has free
+                       when planning (available RAM for ``cpu``) minus ``budget_margin_gb``.
+    budget_margin_gb:  GiB left unused when ``device_budget_gb="free"`` (default 0.5).
     pin_memory:        pin host masters (one exact-size buffer per group) where an accelerator exists.
     compiler:          ``eager`` runs the rewritten graph as is; ``inductor`` compiles it.
     offload_buffers:   stream buffers with their group; set False to keep every buffer resident.
@@ -73,6 +80,8 @@ class OffloadPolicy:
     prefetch: int = 1
     blocks_per_group: int = 1
     offload_gb: float | None = None
+    device_budget_gb: float | str | None = None
+    budget_margin_gb: float = 0.5
     pin_memory: bool = True
     compiler: str = "eager"
     offload_buffers: bool = True
@@ -85,14 +94,10 @@ class OffloadPolicy:
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if not isinstance(self.strategy, str):
-            raise ValueError(f"strategy must be a string, one of {IMPLEMENTED_STRATEGIES}; got {self.strategy!r}")
+            raise ValueError(f"strategy must be a string, one of {KNOWN}; got {self.strategy!r}")
         strategy = self.strategy.strip().lower()
-        if strategy in PLANNED_STRATEGIES:
-            raise ValueError(
-                f"strategy={strategy!r} is not implemented in this version of offload_compiler; "
-                f"choose one of {IMPLEMENTED_STRATEGIES}")
-        if strategy not in IMPLEMENTED_STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} is unknown; choose one of {IMPLEMENTED_STRATEGIES}")
+        if strategy not in KNOWN:
+            raise ValueError(f"strategy={self.strategy!r} is unknown; choose one of {KNOWN}")
         set_("strategy", strategy)
         set_("device", str(_validate_device(self.device)))
         for name, low in (("prefetch", 0), ("blocks_per_group", 1)):
@@ -107,6 +112,7 @@ class OffloadPolicy:
         if strategy == "budget" and self.offload_gb is None:
             raise ValueError("strategy='budget' needs offload_gb: the GiB of weights to stream from host memory "
                              "(e.g. OffloadPolicy(strategy='budget', offload_gb=8))")
+        self._validate_budget(strategy)
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r} is unknown; choose one of {COMPILERS}")
         if self.components is not None:
@@ -126,6 +132,26 @@ class OffloadPolicy:
             if not attrs or not all(isinstance(a, str) and a for a in attrs):
                 raise ValueError(f"blocks_attr must be a dotted attribute path or a list of them; got {self.blocks_attr!r}")
             set_("blocks_attr", attrs if len(attrs) > 1 else attrs[0])
+
+    def _validate_budget(self, strategy: str) -> None:
+        budget, margin = self.device_budget_gb, self.budget_margin_gb
+        if isinstance(budget, str):
+            if budget.strip().lower() != "free":
+                raise ValueError(f"device_budget_gb must be a number of GiB > 0 or 'free'; got {budget!r}")
+            object.__setattr__(self, "device_budget_gb", "free")
+        elif budget is not None:
+            if not _is_number(budget) or budget != budget or budget <= 0:
+                raise ValueError(f"device_budget_gb must be a number of GiB > 0 or 'free'; got {budget!r}")
+            object.__setattr__(self, "device_budget_gb", float(budget))
+        if not _is_number(margin) or margin != margin or margin < 0:
+            raise ValueError(f"budget_margin_gb must be a number of GiB >= 0; got {margin!r}")
+        object.__setattr__(self, "budget_margin_gb", float(margin))
+        if strategy == "auto" and budget is None:
+            raise ValueError("strategy='auto' needs device_budget_gb: the GiB of device memory the model may use "
+                             "(e.g. OffloadPolicy(strategy='auto', device_budget_gb=6)), or device_budget_gb='free'")
+        if strategy != "auto" and budget is not None:
+            raise ValueError(f"device_budget_gb is used by strategy='auto' only; got strategy={strategy!r}. "
+                             f"Use strategy='auto', or offload_gb with strategy='budget'")
 
     @property
     def offload_bytes(self) -> int | None:

@@ -184,7 +184,6 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
     with torch.no_grad():
         expected = _flatten(plain(*_to(args, device), **_to(kwargs, device)))
     offloaded = offload_compile(copy.deepcopy(model).eval(), policy)
-    runtime = offloaded._offload_runtime
     exact = policy.compiler == "eager" and device.type == "cpu" and atol is None
     atol = 1e-5 if atol is None else atol
     rtol = 1e-4 if rtol is None else rtol
@@ -201,6 +200,7 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
             else:
                 torch.testing.assert_close(g, e, atol=atol, rtol=rtol, msg=lambda m: f"output {i}: {m}")
     stats = offload_stats(offloaded)
+    runtime = offloaded._offload_runtime  # after the calls: strategy="auto" builds it at the first
     streamed = stats.streamed_bytes
     plans = runtime.graph_plans
     assert plans, "no graph was captured: the model never ran through the offload backend"

@@ -1,0 +1,206 @@
+"""Cost tables from captured graphs: compute per graph position from fake-tensor shapes (FLOPs for matmul,
+linear, convolution and attention; bytes moved for everything else), the activation peak along node order,
+and host→device bandwidth measured once per device."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import time
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from .grouping import GroupSpec
+from .passes.analysis import _storage, _value, collect_uses, weight_inputs
+from .planner import CostTable, GroupCost
+
+# -- device rates ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DeviceRates:
+    flops_per_s: float
+    memory_bytes_per_s: float  # device memory bandwidth seen by elementwise ops
+    op_overhead_s: float  # dispatch cost of one small op
+    h2d_bytes_per_s: float  # host -> device copy bandwidth
+    fetch_overhead_s: float  # fixed cost of one fetch
+    overlap: bool  # copies run on a copy stream beside compute
+    compute_scale: float = 1.0  # measured / predicted compute, refined after offloaded runs
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_RATES: dict[str, DeviceRates] = {}
+
+
+def _best_time(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> float:
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def measure_rates(device: torch.device) -> DeviceRates:
+    """Micro-benchmarks, well under a second: a matmul, an elementwise add, a tiny op, and host→device
+    copies of 16 MiB and of one element (pinned on an accelerator, as the runtime's host masters are)."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    n = 512
+    a = torch.randn(n, n, device=device)
+    flops = 2 * n**3 / _best_time(lambda: a @ a, sync)
+    big = torch.randn(1 << 22, device=device)
+    memory = 3 * big.nbytes / _best_time(lambda: big + big, sync)
+    tiny = torch.ones(1, device=device)
+    overhead = _best_time(lambda: tiny + tiny, sync, repeat=20)
+    host = torch.empty(1 << 22)
+    small = torch.empty(1)
+    if cuda:
+        host, small = host.pin_memory(), small.pin_memory()
+    dest, dest_small = torch.empty_like(host, device=device), torch.empty_like(small, device=device)
+    copy_s = _best_time(lambda: dest.copy_(host, non_blocking=cuda), sync)
+    fetch_overhead = _best_time(lambda: dest_small.copy_(small, non_blocking=cuda), sync, repeat=20)
+    return DeviceRates(flops, memory, overhead, host.nbytes / copy_s, fetch_overhead, overlap=cuda)
+
+
+def device_rates(device: torch.device | str) -> DeviceRates:
+    """Measured once per device and cached for the process."""
+    key = str(torch.device(device))
+    if key not in _RATES:
+        _RATES[key] = measure_rates(torch.device(key))
+    return _RATES[key]
+
+
+# -- compute per node -----------------------------------------------------------------------------------
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _numel(t: torch.Tensor) -> int:
+    return int(math.prod(int(s) for s in t.shape))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return _numel(t) * t.element_size()
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "__matmul__", "einsum"}
+ATTENTION = {"scaled_dot_product_attention"}
+CONVOLUTIONS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
+                "conv_transpose2d", "conv_transpose3d"}
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of the ops that dominate models' compute, from the shapes dynamo recorded."""
+    name = _name(node)
+    args = [_value(a) if isinstance(a, fx.Node) else a for a in node.args]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    outputs = _tensors(_value(node))
+    if not outputs or not tensors:
+        return 0
+    out = outputs[0]
+    if name in ATTENTION and len(tensors) >= 2:
+        q, k = tensors[0], tensors[1]
+        return 4 * _numel(q) * int(k.shape[-2]) if q.dim() >= 2 and k.dim() >= 2 else 0
+    if name in CONVOLUTIONS and len(tensors) >= 2:
+        inp, weight = tensors[0], tensors[1]
+        per_output = _numel(weight) // max(int(weight.shape[0]), 1)
+        return 2 * max(_numel(out), _numel(inp)) * per_output
+    if name in MATMULS:
+        if name in ("addmm", "baddbmm", "addbmm"):
+            tensors = tensors[1:]
+        if name == "einsum" or not tensors or tensors[0].dim() == 0:
+            return 2 * _numel(out)
+        return 2 * _numel(out) * int(tensors[0].shape[-1])
+    return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes an op reads and writes; views (outputs sharing an input's storage) move nothing."""
+    ins = [t for a in node.all_input_nodes for t in _tensors(_value(a))]
+    outs = _tensors(_value(node))
+    in_storages = {_storage(t) for t in ins} - {None}
+    if outs and all(_storage(t) in in_storages for t in outs):
+        return 0
+    return sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+
+
+def node_seconds(node: fx.Node, rates: DeviceRates) -> float:
+    if node.op not in ("call_function", "call_method", "call_module") or node.target is operator.getitem:
+        return 0.0
+    if not _tensors(_value(node)):
+        return 0.0
+    work = max(node_flops(node) / rates.flops_per_s, node_bytes(node) / rates.memory_bytes_per_s)
+    return rates.compute_scale * (rates.op_overhead_s + work)
+
+
+# -- activations ----------------------------------------------------------------------------------------
+
+def activation_peak(gm: fx.GraphModule, weight_nodes: set[fx.Node]) -> int:
+    """Peak bytes of non-weight tensors alive along node order: each storage lives from the node that
+    creates it to the last user of any node that holds it (graph outputs live to the end)."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    weight_storages = {_storage(_value(n)) for n in weight_nodes} - {None}
+    born: dict[Any, tuple[int, int]] = {}  # storage -> (first position, bytes)
+    dies: dict[Any, int] = {}
+    for node in nodes:
+        if node in weight_nodes:
+            continue
+        last = max((position[u] for u in node.users), default=position[node])
+        for t in _tensors(_value(node)):
+            key = _storage(t)
+            if key is None or key in weight_storages:
+                continue
+            try:
+                size = t.untyped_storage().nbytes()
+            except (NotImplementedError, RuntimeError):
+                size = _nbytes(t)
+            born.setdefault(key, (position[node], int(size)))
+            dies[key] = max(dies.get(key, 0), last)
+    deltas = [0] * (len(nodes) + 1)
+    for key, (start, size) in born.items():
+        deltas[start] += size
+        deltas[dies[key] + 1] -= size
+    live = peak = 0
+    for delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+# -- the table ------------------------------------------------------------------------------------------
+
+def build_table(gm: fx.GraphModule, example_inputs: list, specs: list[GroupSpec], rates: DeviceRates,
+                blocks_per_group: int = 1) -> CostTable:
+    group_of = {id(w.tensor): (gi, si) for gi, spec in enumerate(specs) for si, w in enumerate(spec.weights)}
+    weights = weight_inputs(gm, example_inputs, group_of)
+    uses, _ = collect_uses(gm, weights, set(range(len(specs))))
+    return CostTable(
+        groups=tuple(GroupCost(s.name, s.nbytes, s.is_block) for s in specs),
+        uses=tuple(uses),
+        node_seconds=tuple(node_seconds(n, rates) for n in gm.graph.nodes),
+        bandwidth=rates.h2d_bytes_per_s,
+        activation_bytes=activation_peak(gm, set(weights)),
+        fetch_overhead_s=rates.fetch_overhead_s,
+        overlap=rates.overlap,
+        blocks_per_group=blocks_per_group)

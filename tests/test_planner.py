@@ -1,0 +1,197 @@
+"""strategy="auto": the solver is optimal on synthetic cost tables (brute force, hypothesis), its predicted
+weight peak is what the engine verifies and the ledger measures, and an infeasible budget fails up front."""
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from offload_compiler import (InfeasibleBudgetError, OffloadPolicy, offload_compile, offload_plan, offload_stats,
+                              plan_offload)
+from offload_compiler.models import llama
+from offload_compiler.passes.schedule import Use
+from offload_compiler.planner import (Choice, CostTable, GroupCost, minimum_budget, predict, solve,
+                                      solve_brute_force)
+from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, build_block_model
+
+
+@st.composite
+def cost_tables(draw, max_groups=5, max_uses=9):
+    """Random tables: groups of random size read in a random order (repeats: tied weights, a table read in
+    every block), random compute per position, bandwidth, fetch overhead, inline or overlapped copies."""
+    n = draw(st.integers(1, max_groups))
+    sizes = draw(st.lists(st.integers(1, 100), min_size=n, max_size=n))
+    order = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=max_uses))
+    uses = [Use(g, p, p + draw(st.integers(0, 1))) for p, g in enumerate(order)]
+    seconds = draw(st.lists(st.floats(0, 10), min_size=len(order) + 1, max_size=len(order) + 1))
+    return CostTable(tuple(GroupCost(f"g{i}", b) for i, b in enumerate(sizes)), tuple(uses), tuple(seconds),
+                     bandwidth=draw(st.sampled_from([1.0, 5.0, 20.0, 100.0])),
+                     activation_bytes=draw(st.integers(0, 50)), fetch_overhead_s=draw(st.sampled_from([0.0, 1.0])),
+                     overlap=draw(st.booleans()))
+
+
+@settings(max_examples=300)
+@given(cost_tables(), st.integers(0, 600), st.integers(0, 3))
+def test_solve_matches_brute_force(table, budget, max_prefetch):
+    try:
+        best = solve_brute_force(table, budget, max_prefetch)
+    except InfeasibleBudgetError as brute_error:
+        with pytest.raises(InfeasibleBudgetError) as err:
+            solve(table, budget, max_prefetch)
+        assert err.value.needed_bytes == brute_error.needed_bytes > budget
+        return
+    found = solve(table, budget, max_prefetch)
+    assert found.optimal and found.prediction.peak_bytes <= budget
+    assert math.isclose(found.prediction.time_s, best.prediction.time_s, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@settings(max_examples=150)
+@given(cost_tables(max_groups=4))
+def test_minimum_budget_is_the_smallest_peak_of_any_plan(table):
+    import itertools
+    used = table.used_groups
+    peaks = [predict(table, Choice(frozenset(r), d)).peak_bytes
+             for d in range(3) for k in range(len(used) + 1) for r in itertools.combinations(used, k)]
+    needed, _ = minimum_budget(table)
+    assert needed == min(peaks)
+    solve(table, needed)  # the minimum itself is feasible
+    with pytest.raises(InfeasibleBudgetError):
+        solve(table, needed - 1)
+
+
+@settings(max_examples=150)
+@given(cost_tables(), st.data())
+def test_search_bounds_hold_for_every_completion(table, data):
+    """What the search prunes with; note that keeping more groups resident is not always faster."""
+    import itertools
+    from offload_compiler.planner import _inline_bound, _overlap_bound
+    used = table.used_groups
+    streamed = set(data.draw(st.sets(st.sampled_from(used)))) if used else set()
+    for k in range(len(used) + 1):
+        for extra in itertools.combinations(sorted(set(used) - streamed), k):
+            resident = frozenset(used) - streamed - set(extra)
+            for depth in range(3):
+                time_s = predict(table, Choice(resident, depth)).time_s
+                assert predict(table, Choice(resident, depth + 1)).time_s <= time_s + 1e-9
+                if table.overlap:
+                    assert _overlap_bound(table, streamed) <= time_s + 1e-9
+                else:
+                    order = sorted(streamed) + sorted(set(used) - streamed)
+                    assert _inline_bound(table, order, len(streamed), frozenset(), 10**9, 0) <= time_s + 1e-9
+
+
+def test_hundred_blocks_plan_quickly():
+    import time
+    groups = (GroupCost("embed", 400),) + tuple(GroupCost(f"b{i}", 100, True) for i in range(100)) + (
+        GroupCost("head", 400),)
+    uses = tuple(Use(g, p, p) for p, g in enumerate(range(102)))
+    for overlap in (False, True):
+        table = CostTable(groups, uses, (1.0,) * 102, bandwidth=150.0, overlap=overlap, activation_bytes=50)
+        start = time.perf_counter()
+        found = solve(table, 5400)
+        assert time.perf_counter() - start < 10 and found.prediction.peak_bytes <= 5400
+
+
+# -- real models ----------------------------------------------------------------------------------------
+
+def _bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fraction", [0.45, 0.8, 3.0])
+def test_llama_under_a_budget_matches_and_stays_within_it(fraction):
+    model, kwargs = llama()
+    budget_gb = fraction * _bytes(model) / 2**30
+    policy = OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=budget_gb, debug_poison=True)
+    m = offload_compile(model, policy)
+    plan = m.plan(**kwargs)
+    # planning ran nothing and moved nothing
+    assert offload_stats(m).fetch_count == 0 and offload_stats(m).bytes_transferred == 0
+    with torch.no_grad():
+        expected = model(**kwargs).logits
+    assert torch.equal(m(**kwargs).logits, expected)
+    stats = offload_stats(m)
+    verified = m._offload_runtime.graph_plans[0].verified.peak_bytes
+    assert stats.peak_resident_bytes == verified == plan.predicted_weights_peak_bytes
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert stats.peak_resident_bytes <= plan.budget_bytes - plan.table.activation_bytes
+    if fraction >= 3.0:
+        assert stats.streamed_bytes == 0  # everything fits: nothing is streamed
+    else:
+        assert 0 < stats.streamed_bytes and stats.peak_resident_bytes < _bytes(model)
+
+
+def test_auto_through_the_equivalence_check():
+    model, x = build_block_model(ModelSpec(16, (BlockSpec("mlp", 16), BlockSpec("attention", 2),
+                                                BlockSpec("mlp", 8)), True, True, 4, 2), 7)
+    roomy = plan_offload(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=1.0), x)
+    needed, _ = minimum_budget(roomy.table)
+    budget = needed + (roomy.predicted_peak_bytes - needed) // 3  # between streaming and keeping everything
+    policy = OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=budget / 2**30, debug_poison=True)
+    report = assert_offload_equivalent(model, policy, x)
+    assert 0 < report.streamed_bytes and report.peak_resident_bytes <= budget - roomy.table.activation_bytes
+
+
+def test_infeasible_budget_errors_before_anything_runs_with_the_needed_figure():
+    model, kwargs = llama()
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=1e-5))
+    with pytest.raises(InfeasibleBudgetError, match=r"too small.*needs .*GiB.*model\.layers\.\d.*device_budget_gb >=") as err:
+        m(**kwargs)
+    assert err.value.needed_bytes > 1e-5 * 2**30
+    assert isinstance(err.value, ValueError)
+    # the figure is right: that budget works
+    ok = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu",
+                                              device_budget_gb=err.value.needed_bytes / 2**30))
+    ok(**kwargs)
+    assert offload_stats(ok).peak_resident_bytes + offload_plan(ok).table.activation_bytes <= err.value.needed_bytes
+
+
+def test_plan_table_text_and_json():
+    model, kwargs = llama(layers=2)
+    policy = OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=0.6 * _bytes(model) / 2**30)
+    m = offload_compile(model, policy)
+    for _ in range(6):  # compile, warm up, then the timed calls
+        m(**kwargs)
+    plan = offload_plan(m)
+    data = json.loads(plan.to_json())
+    assert data == json.loads(json.dumps(data))
+    assert {r["group"] for r in data["groups"]} >= {"model.layers.0", "model.layers.1", "lm_head"}
+    assert {r["residency"] for r in data["groups"]} <= {"resident", "streamed", "unused"}
+    assert data["predicted"]["peak_bytes"] <= data["budget_bytes"]
+    assert data["measured"]["calls"] == 3 and data["measured"]["median_time_s"] > 0
+    assert data["measured"]["weights_peak_bytes"] == offload_stats(m).peak_resident_bytes
+    text = str(plan)
+    assert "model.layers.0" in text and "predicted peak" in text and "measured / predicted" in text
+    again = plan_offload(model, policy, **kwargs)  # planned with compute refined by the timed calls
+    assert [(r["group"], r["bytes"]) for r in again.rows()] == [(r["group"], r["bytes"]) for r in data["groups"]]
+    assert again.rates.compute_scale == plan.rates.compute_scale != 1.0
+
+
+def test_free_budget_form():
+    model, kwargs = llama(layers=1)
+    plan = plan_offload(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb="free",
+                                             budget_margin_gb=0.25), **kwargs)
+    assert "free" in plan.budget_source and plan.resident == frozenset(plan.table.used_groups)
+
+
+def test_offload_plan_of_a_module_without_one():
+    with pytest.raises(ValueError, match="no auto offload plan"):
+        offload_plan(torch.nn.Linear(2, 2))
+    with pytest.raises(Exception, match="strategy='auto' plans before compiling"):  # dynamo wraps it
+        torch.compile(torch.nn.Linear(2, 2), backend="omni_offload",
+                      options={"strategy": "auto", "device": "cpu", "device_budget_gb": 1})(torch.ones(2))
+
+
+def test_cli_prints_the_plan_and_saves_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from offload_compiler.cli import main
+    assert main(["run", "--model", "llama", "--device", "cpu", "--device-budget-gb", "0.0003", "--calls", "6",
+                 "--json", "--plots", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    data = report["plan"]
+    assert data["predicted"]["peak_bytes"] <= data["budget_bytes"] and report["equivalence"]["equal"]
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "residency.png").stat().st_size > 0
+    assert main(["plan", "--model", "llama", "--device", "cpu", "--device-budget-gb", "0.00001"]) == 2
+    assert "device_budget_gb >=" in capsys.readouterr().err
