@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ._tree import tensors_of, to_device
 from .api import describe_plan, offload_compile, offload_stats, reset_offload_stats
 from .auto import offload_plan
 from .planner import InfeasibleBudgetError
@@ -112,28 +113,6 @@ def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
     return policy_from_engine_args(engine)
 
 
-def _on(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_on(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _on(v, device) for k, v in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if hasattr(value, "to_tuple"):
-        value = value.to_tuple()
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -143,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, inputs, kwargs = load_model(args.model)
     model.eval()
     device = policy.torch_device
-    inputs, kwargs = _on(inputs, device), _on(kwargs, device)
+    inputs, kwargs = to_device(inputs, device), to_device(kwargs, device)
     plain = copy.deepcopy(model) if args.command == "run" and not args.no_check else None
     try:
         offloaded = offload_compile(model, policy)
@@ -170,9 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             with torch.no_grad():
                 expected = plain.to(device)(*inputs, **kwargs)
             diffs = [(a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-                     for a, b in zip(_tensors(out), _tensors(expected)) if a.is_floating_point()]
+                     for a, b in zip(tensors_of(out), tensors_of(expected)) if a.is_floating_point()]
             worst = max(diffs, default=0.0)
-            same = len(_tensors(out)) == len(_tensors(expected)) and worst <= 1e-4
+            same = len(tensors_of(out)) == len(tensors_of(expected)) and worst <= 1e-4
             report["equivalence"] = {"max_abs_diff": worst, "equal": same}
             if not args.json:
                 print(f"outputs equal the plain model: {same} (max abs diff {worst:.2e})")

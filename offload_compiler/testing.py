@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ._tree import tensors_of, to_device
 from .api import offload_compile, offload_stats
 from .policy import OffloadPolicy
 
@@ -138,28 +139,6 @@ if st is not None:
 
 # -- the check ------------------------------------------------------------------------------------------
 
-def _flatten(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if hasattr(value, "to_tuple"):
-        value = value.to_tuple()
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flatten(v)]
-    return []
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class EquivalenceReport:
     max_abs_diff: float
@@ -182,14 +161,14 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
     device = policy.torch_device
     plain = copy.deepcopy(model).to(device).eval()
     with torch.no_grad():
-        expected = _flatten(plain(*_to(args, device), **_to(kwargs, device)))
+        expected = tensors_of(plain(*to_device(args, device), **to_device(kwargs, device)))
     offloaded = offload_compile(copy.deepcopy(model).eval(), policy)
     exact = policy.compiler == "eager" and device.type == "cpu" and atol is None
     atol = 1e-5 if atol is None else atol
     rtol = 1e-4 if rtol is None else rtol
     worst = 0.0
     for _ in range(calls):
-        got = _flatten(offloaded(*_to(args, device), **_to(kwargs, device)))
+        got = tensors_of(offloaded(*to_device(args, device), **to_device(kwargs, device)))
         assert len(got) == len(expected), f"offloaded model returned {len(got)} tensors, plain {len(expected)}"
         for i, (g, e) in enumerate(zip(got, expected)):
             assert g.shape == e.shape and g.dtype == e.dtype, f"output {i}: {g.shape}/{g.dtype} vs {e.shape}/{e.dtype}"

@@ -6,23 +6,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from capture import capture
 from offload_compiler import OffloadPolicy
 from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
 from offload_compiler.models import gpt2, llama
 from offload_compiler.runtime import OffloadRuntime
-
-
-def _capture(model, kwargs):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    with torch.no_grad():
-        torch.compile(model, backend=backend, fullgraph=True)(**kwargs)
-    return graphs[0]
 
 
 def _as_if_captured_on_cuda(gm):
@@ -60,7 +49,7 @@ def _run_fake(gm, example_inputs, weight_ids):
 def test_no_compute_op_sees_a_host_weight(builder, strategy):
     model, kwargs = builder()
     kwargs["use_cache"] = False  # a cache's tensor constants would be host tensors of the capture, not weights
-    gm, example_inputs = _capture(model, kwargs)
+    gm, example_inputs = capture(model, fullgraph=True, **kwargs)
     # aten level: Python indexing on a fake CUDA tensor needs a CUDA build, aten.slice does not
     gm = _as_if_captured_on_cuda(make_fx(gm, tracing_mode="fake")(*example_inputs))
     weight_ids = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}

@@ -284,3 +284,17 @@ def test_remove_offload_gives_back_a_plain_equal_module(entry):
             wrapped(x)
     again = offload_compile(plain, strategy="layerwise", **CPU)  # and it can be offloaded again
     assert torch.equal(again(x), expected)
+
+
+def test_a_device_budget_below_what_any_plan_needs_states_the_figure_and_touches_nothing():
+    from offload_compiler import InfeasibleBudgetError
+    model, x, expected, snapshot = _model()
+    pointers = [p.data_ptr() for p in model.parameters()]
+    m = offload_compile(model, strategy="auto", device_budget_gb=1e-6, **CPU)
+    with pytest.raises(InfeasibleBudgetError, match="device_budget_gb >=") as err:
+        m(x)
+    assert err.value.needed_bytes > 1e-6 * 2**30  # the smallest budget that works, in bytes
+    assert pointers == [p.data_ptr() for p in model.parameters()]  # planned before anything was packed
+    _assert_whole(model, snapshot, x, expected)
+    works = offload_compile(model, strategy="auto", device_budget_gb=err.value.needed_bytes / 2**30, **CPU)
+    assert torch.equal(works(x), expected)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from capture import capture
 from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats
 from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
@@ -13,18 +14,6 @@ from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, build_block_model
 
 SPEC = ModelSpec(16, (BlockSpec("mlp", 16), BlockSpec("attention", 2), BlockSpec("mlp", 8)), True, True, 4, 2)
-
-
-def _captured(model, x):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(x)
-    return graphs[0]
 
 
 def _move_first_evict_before_its_last_reader(gm):
@@ -45,7 +34,7 @@ def _move_first_evict_before_its_last_reader(gm):
 def test_verify_rejects_a_read_after_evict_and_poison_exposes_it():
     model, x = build_block_model(SPEC, 3)
     expected = model(x).detach()
-    gm, example_inputs = _captured(model, x)
+    gm, example_inputs = capture(model, x)
     policy = OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True)
     runtime = OffloadRuntime(policy, plan_groups(model, policy))
     new_gm, n_out, _ = rewrite_graph(gm, example_inputs, runtime)
