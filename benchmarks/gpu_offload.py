@@ -837,16 +837,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    # separate static graphs per input shape (prefill / decode batch sizes), and room for every method's models;
+    # patched, not set, so an in-process run (the smoke test) leaves dynamo's configuration as it was
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=4096,
+                                    accumulated_recompile_limit=4096):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not args.smoke and not args.rss_child:
         raise SystemExit("gpu_offload.py needs CUDA; use --smoke to exercise the harness on CPU")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    # separate static graphs per input shape (prefill / decode batch sizes), and room for every method's models
-    torch._dynamo.config.automatic_dynamic_shapes = False
-    torch._dynamo.config.recompile_limit = 4096
-    torch._dynamo.config.accumulated_recompile_limit = 4096
-
     if args.rss_child:
         print("RSS_JSON " + json.dumps(rss_child(args, device, dtype)), flush=True)
         return {}

@@ -111,23 +111,39 @@ class Group:
 
 
 class Ledger:
-    """Exact live bytes of device weight copies: each copy's storage reports its own death."""
+    """Exact live bytes of device weight copies. A copy stops counting when the schedule evicts it or when
+    its storage dies, whichever comes first: inductor may reuse an evicted copy's memory for activations,
+    which is then no longer a weight, while a copy that outlives its call without being evicted (a failed
+    call) keeps counting until its storage is really gone."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._open: dict[int, list] = {}  # id of the storage object -> [nbytes, released]
         self.live = 0
         self.peak = 0
 
     def track(self, tensor: torch.Tensor) -> None:
-        nbytes = tensor.untyped_storage().nbytes()
+        storage = tensor.untyped_storage()
+        entry = [storage.nbytes(), False]
         with self._lock:
-            self.live += nbytes
+            self.live += entry[0]
             self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor.untyped_storage(), self._release, nbytes)
+            self._open[id(storage)] = entry
+        weakref.finalize(storage, self._release, id(storage), entry)
 
-    def _release(self, nbytes: int) -> None:
+    def evicted(self, tensor: torch.Tensor) -> None:
+        key = id(tensor.untyped_storage())
+        entry = self._open.get(key)
+        if entry is not None:
+            self._release(key, entry)
+
+    def _release(self, key: int, entry: list) -> None:
         with self._lock:
-            self.live -= nbytes
+            if self._open.get(key) is entry:
+                del self._open[key]
+            if not entry[1]:
+                entry[1] = True
+                self.live -= entry[0]
 
     def reset_peak(self) -> None:
         with self._lock:
@@ -362,6 +378,8 @@ class OffloadRuntime:
             self._parked[group] = (buffers, self._stamp(self.groups[group]))
             return
         self._parked.pop(group, None)
+        for buf in buffers:
+            self.ledger.evicted(buf)
         if poison and self.policy.debug_poison:
             for buf in buffers:
                 buf.fill_(float("nan") if buf.dtype.is_floating_point or buf.dtype.is_complex

@@ -1,8 +1,8 @@
 """Rewrite a captured graph so every offloaded weight is read from a fetched device copy.
 
 Order is carried by data (DESIGN.md): each prefetch takes the previous prefetch's token and the tokens of
-the evicts emitted since it; each wait takes the newest prefetch token; each evict takes the fetched
-buffers and every node that reads them. Tokens nobody consumes, and resident buffers (which inductor must
+the evicts emitted since it; each wait takes the newest prefetch token and the evicts emitted since the last
+wait; each evict takes the fetched buffers and every node that reads them. Tokens nobody consumes, and resident buffers (which inductor must
 never free or reuse), become extra graph outputs that the caller drops.
 """
 
@@ -70,7 +70,8 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
 
     keys = {inst.index: fetch_key() for inst in schedule.instances}
     last_prefetch: fx.Node | None = None
-    evicts_since: list[fx.Node] = []
+    evicts_since: list[fx.Node] = []  # since the last prefetch
+    evicts_since_wait: list[fx.Node] = []
     fetched: dict[int, tuple[fx.Node, dict[int, fx.Node]]] = {}  # instance -> (buffers, slot views)
     resident_views: dict[int, dict[int, fx.Node]] = {}
     resident_buffers: list[fx.Node] = []
@@ -102,8 +103,10 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
                     OPS.prefetch.default, (runtime_id, ahead.group, keys[ahead.index], deps))
                 tokens.append(last_prefetch)
                 evicts_since = []
-            buffers = graph.call_function(OPS.wait.default,
-                                          (runtime_id, inst.group, keys[inst.index], [last_prefetch]))
+            # the evicts before this wait too: with no prefetch after them, nothing else would order them
+            buffers = graph.call_function(OPS.wait.default, (runtime_id, inst.group, keys[inst.index],
+                                                             [last_prefetch] + evicts_since_wait))
+            evicts_since_wait = []
             fetched[inst.index] = (buffers, _slot_views(graph, buffers, inst.group, slots_in_graph[inst.group],
                                                         layout, n_buckets[inst.group]))
         if node.op == "output":
@@ -122,6 +125,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
                 resident_buffers.extend(items)
             tokens.append(token)
             evicts_since.append(token)
+            evicts_since_wait.append(token)
 
     output = nodes[-1]
     original = fx.map_arg(output.args[0], lambda arg: weight_arg(output, arg) if arg in weights else env[arg])
