@@ -34,7 +34,6 @@ diffusers runs with ``use_stream=False`` (streams need an accelerator). Smoke nu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json

@@ -2,15 +2,14 @@
 model-level offload on a container and on a pipeline object."""
 
 import copy
-import warnings
 
 import pytest
 import torch
 
-from multistage import Omni, Thinker, inputs, omni, thinker
+from multistage import Omni, omni, thinker
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats
 from offload_compiler.components import resolve
-from offload_compiler.models import DiffusionContainer, diffusion_container, diffusion_pipeline
+from offload_compiler.models import diffusion_container, diffusion_pipeline
 from offload_compiler.testing import assert_offload_equivalent
 
 CPU = dict(device="cpu", debug_poison=True)
