@@ -81,7 +81,9 @@ def tensor_parallel(rank: int, compiler: str, device: str = "cpu") -> dict:
             "full_bytes": sum(p.numel() * p.element_size() for p in full_model()[0].parameters()),
             "bytes_transferred": stats.bytes_transferred, "fetch_count": stats.fetch_count,
             "peak_resident_bytes": stats.peak_resident_bytes, "total_bytes": stats.total_bytes,
-            "plan": describe_plan(m), "stats": str(stats)}
+            "plan": describe_plan(m), "stats": str(stats),
+            # shards are packed: one flat host buffer, hence one copy, per group
+            "buckets_per_group": max(len(g.buckets) for g in m._offload_runtime.groups)}
 
 
 def pipeline_parallel(rank: int, compiler: str, device: str = "cpu") -> dict:

@@ -43,9 +43,19 @@ def from_local_slot(view: torch.Tensor, runtime_id: int, group: int, slot: int) 
 
 
 def set_local(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """Point a weight at new host data: a plain tensor's ``.data``; a DTensor's local shard (a real view of
-    ``value``, which dynamo's fakification of the subclass's inner tensor handles)."""
+    """Point a weight at new host data (a view into a group's flat buffer): a plain tensor's ``.data``; a
+    DTensor's local shard."""
     if is_dtensor(tensor):
+        if value.storage_offset() != 0:
+            # dynamo cannot fakify a DTensor whose shard starts inside its storage (torch's meta_utils: "Attempted
+            # to set the storage of a tensor on device cpu to a storage on different device meta"), so the shard
+            # aliases the same bytes through a storage that begins at it; that storage slice does not own its
+            # bytes, so the alias keeps the buffer it was cut from alive
+            start = value.storage_offset() * value.element_size()
+            storage = value.untyped_storage()[start:start + value.numel() * value.element_size()]
+            alias = torch.empty(0, dtype=value.dtype, device=value.device).set_(storage, 0, value.shape, value.stride())
+            alias._offload_base = value
+            value = alias
         tensor._local_tensor = value
     else:
         tensor.data = value

@@ -253,10 +253,6 @@ class OffloadRuntime:
         if policy.pin_memory and not self.pinned:
             log.debug("pin_memory ignored: compute device %s has no pinned host memory", self.device)
         unpackable = overlapping([local_of(w.tensor) for spec in specs for w in spec.weights])
-        # DTensor shards keep their own storage: dynamo cannot fakify a subclass whose inner tensor is a
-        # view into a larger buffer, so each shard is a bucket of its own, copied from the shard itself
-        unpackable |= {id(local_of(w.tensor)) for spec in specs for w in spec.weights
-                       if dtensor_spec(w.tensor) is not None}
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
         self.lock = threading.RLock()
         self.closed = False

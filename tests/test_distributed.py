@@ -45,6 +45,7 @@ def test_tensor_parallel_streams_each_ranks_shards(compiler, tmp_path):
         assert r["total_bytes"] == r["shard_bytes"]
         assert r["bytes_transferred"] == 2 * r["shard_bytes"]  # two calls, each rank its own shards only
         assert r["fetch_count"] == 2 * BLOCKS
+        assert r["buckets_per_group"] == 1  # a block's shards move in one copy
         assert r["peak_resident_bytes"] <= 2 * per_block  # prefetch=1: at most two blocks' shards
         assert f"rank={r['rank']}/2" in r["plan"] and "DTensor weights" in r["plan"]
 
