@@ -92,7 +92,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     schedule = build_schedule(uses, 0 if alternating else policy.prefetch)
     resident = {w.group for w in weights.values()} - streamed
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
-                                 runtime.new_fetch_key, _parked_instance(schedule, runtime))
+                                 runtime.new_fetch_key, _parked_instance(schedule, runtime),
+                                 frozenset(runtime.dtensor_specs))
     verified = verify(rewritten.graph_module, weights, {g.index: g.nbytes for g in runtime.groups})
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(schedule, verified, len(gm.graph.nodes))
 

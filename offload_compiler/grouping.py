@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import components
+from .distributed import is_dtensor, local_of
 from .policy import OffloadPolicy
 
 BLOCKS_ATTR = "_layerwise_offload_blocks_attr"
@@ -24,7 +25,8 @@ class Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        local = local_of(self.tensor)  # a DTensor weight: the shard this rank holds
+        return local.numel() * local.element_size()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,8 @@ class GroupSpec:
 
 
 def _unmovable(tensor: torch.Tensor) -> str | None:
+    if is_dtensor(tensor):  # tensor parallel: this rank's local shard moves
+        return _unmovable(local_of(tensor))
     if tensor.is_meta:
         return "on the meta device (not loaded)"
     if tensor.is_quantized:
@@ -59,7 +63,8 @@ def check_movable(weights: list[Weight]) -> None:
     if bad:
         listed = "; ".join(f"{name} is {why}" for name, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise ValueError(f"offload_compiler moves plain dense (strided) tensors only: {listed}. Load real weights "
-                         f"(for meta tensors), dequantize, or convert subclass weights to plain tensors first")
+                         f"(for meta tensors), dequantize, or convert subclass weights to plain tensors first (DTensor "
+                         f"weights of torch.distributed.tensor.parallel are supported: each rank moves its shard)")
 
 
 def collect_weights(model: nn.Module) -> list[Weight]:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .distributed import dtensor_spec, is_dtensor, local_of, set_local
 from .grouping import GroupSpec
 from .policy import OffloadPolicy
 
@@ -92,7 +93,7 @@ class Bucket:
         return self.numel * self.dtype.itemsize
 
     def source(self) -> torch.Tensor:
-        return self.host if self.owner is None else self.owner.tensor.detach().reshape(-1)
+        return self.host if self.owner is None else local_of(self.owner.tensor).detach().reshape(-1)
 
 
 @dataclasses.dataclass
@@ -192,17 +193,17 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
     buckets: list[Bucket] = []
     by_dtype: dict[torch.dtype, int] = {}
     for w in spec.weights:
-        t = w.tensor
+        t = local_of(w.tensor)  # a DTensor weight is laid out as its local shard; the slot keeps the DTensor
         shape, numel = tuple(t.shape), t.numel()
         if id(t) in unpackable:
-            slot = Slot(w.name, t, len(buckets), 0, shape, numel)
+            slot = Slot(w.name, w.tensor, len(buckets), 0, shape, numel)
             buckets.append(Bucket(t.dtype, numel, None, owner=slot))
         else:
             if t.dtype not in by_dtype:
                 by_dtype[t.dtype] = len(buckets)
                 buckets.append(Bucket(t.dtype, 0, None))
             bucket = buckets[by_dtype[t.dtype]]
-            slot = Slot(w.name, t, by_dtype[t.dtype], bucket.numel, shape, numel)
+            slot = Slot(w.name, w.tensor, by_dtype[t.dtype], bucket.numel, shape, numel)
             bucket.numel += numel
         slots.append(slot)
     return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive)
@@ -212,13 +213,17 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
     """Copy a group's weights into one flat host buffer per dtype and make each weight's ``.data`` a view
     into it, so the module keeps its parameters (and ``state_dict``) while one copy moves the group."""
     for bi, bucket in enumerate(group.buckets):
+        owner = bucket.owner
+        if owner is not None and is_dtensor(owner.tensor) and local_of(owner.tensor).device.type != "cpu":
+            # a DTensor shard placed on the mesh's device (parallelize_module on a cuda mesh) goes to host memory
+            set_local(owner.tensor, local_of(owner.tensor).detach().to("cpu"))
         if bucket.owner is not None or bucket.host is not None:
             continue
         flat = torch.empty(bucket.numel, dtype=bucket.dtype)
         members = [s for s in group.slots if s.bucket == bi]
         with torch.no_grad():
             for s in members:
-                flat[s.offset:s.offset + s.numel].copy_(s.tensor.detach().reshape(-1))
+                flat[s.offset:s.offset + s.numel].copy_(local_of(s.tensor).detach().reshape(-1))
         if pin:
             try:
                 flat = _pin_exact(flat)
@@ -227,10 +232,10 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
                     raise
                 on_pin_failure(str(exc))
         for s in members:
-            s.tensor.data = flat[s.offset:s.offset + s.numel].view(s.shape)
+            set_local(s.tensor, flat[s.offset:s.offset + s.numel].view(s.shape))
         bucket.host = flat
     for s in group.slots:
-        s.host_ptr = s.tensor.data_ptr()
+        s.host_ptr = local_of(s.tensor).data_ptr()
     group.packed = True
 
 
@@ -247,7 +252,7 @@ class OffloadRuntime:
         self.pinned = policy.pin_memory and self.device.type == "cuda"
         if policy.pin_memory and not self.pinned:
             log.debug("pin_memory ignored: compute device %s has no pinned host memory", self.device)
-        unpackable = overlapping([w.tensor for spec in specs for w in spec.weights])
+        unpackable = overlapping([local_of(w.tensor) for spec in specs for w in spec.weights])
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
         self.lock = threading.RLock()
         self.closed = False
@@ -258,6 +263,9 @@ class OffloadRuntime:
         self.group_of: dict[int, tuple[int, int]] = {
             id(slot.tensor): (g.index, si) for g in self.groups for si, slot in enumerate(g.slots)}
         self.layout = {g.index: [(s.bucket, s.shape, s.offset) for s in g.slots] for g in self.groups}
+        # DTensor weights (tensor parallel): rebuilt in the graph around their fetched local shard
+        self.dtensor_specs = {(g.index, si): spec for g in self.groups for si, s in enumerate(g.slots)
+                              if (spec := dtensor_spec(s.tensor)) is not None}
         self.graph_plans: list = []
         self.graph_calls = 0
         self.group_remap: dict[int, int] | None = None  # per call: compiled group -> group of the weights passed
@@ -343,13 +351,14 @@ class OffloadRuntime:
     def _refresh_host(self, group: Group) -> None:
         """A weight whose ``.data`` was replaced since packing is copied back into the flat buffer."""
         for slot in group.slots:
-            if slot.tensor.data_ptr() != slot.host_ptr and group.buckets[slot.bucket].owner is None:
+            local = local_of(slot.tensor)
+            if local.data_ptr() != slot.host_ptr and group.buckets[slot.bucket].owner is None:
                 flat = group.buckets[slot.bucket].host
                 view = flat[slot.offset:slot.offset + slot.numel]
                 with torch.no_grad():
-                    view.copy_(slot.tensor.detach().reshape(-1))
-                slot.tensor.data = view.view(slot.shape)
-                slot.host_ptr = slot.tensor.data_ptr()
+                    view.copy_(local.detach().reshape(-1))
+                set_local(slot.tensor, view.view(slot.shape))
+                slot.host_ptr = local_of(slot.tensor).data_ptr()
 
     def prefetch(self, key: int, group: int) -> None:
         group = self._actual(group)
@@ -412,7 +421,7 @@ class OffloadRuntime:
     @staticmethod
     def _stamp(group: Group) -> tuple:
         """Changes whenever a host weight of the group is modified in place or replaced."""
-        return tuple((s.tensor._version, s.tensor.data_ptr()) for s in group.slots)
+        return tuple((local_of(s.tensor)._version, local_of(s.tensor).data_ptr()) for s in group.slots)
 
     def resident(self, group: int) -> list[torch.Tensor]:
         """The persistent device copy of a resident group, refetched when a host weight changed."""
@@ -447,7 +456,7 @@ class OffloadRuntime:
                     continue
                 for slot in group.slots:
                     if group.buckets[slot.bucket].owner is None:
-                        slot.tensor.data = slot.tensor.data.clone()
+                        set_local(slot.tensor, local_of(slot.tensor).detach().clone())
                 for bucket in group.buckets:
                     if bucket.owner is None:
                         bucket.host = None
@@ -466,10 +475,17 @@ class OffloadRuntime:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
         mib = lambda n: f"{n / 2**20:9.3f} MiB"  # noqa: E731
         lines = [f"offload plan for {self.model_name}: strategy={self.policy.strategy} device={self.device} "
-                 f"prefetch={self.policy.prefetch} compiler={self.policy.compiler} pinned={self.pinned}"]
+                 f"prefetch={self.policy.prefetch} compiler={self.policy.compiler} pinned={self.pinned}"
+                 + (f" rank={torch.distributed.get_rank()}/{torch.distributed.get_world_size()} (bytes are this "
+                    f"rank's)" if torch.distributed.is_available() and torch.distributed.is_initialized() else "")]
         for g in self.groups:
+            shards = [self.dtensor_specs[(g.index, si)] for si in range(len(g.slots)) if (g.index, si) in
+                      self.dtensor_specs]
+            placements = sorted({"/".join(str(p) for p in spec[1]) for spec in shards})
             lines.append(f"  group {g.index:3d} {g.name:<40s} {mib(g.nbytes)}  "
-                         f"{'streamed' if g.streamed else 'resident'}")
+                         f"{'streamed' if g.streamed else 'resident'}"
+                         + (f"  (local shards of {len(shards)} DTensor weights: {', '.join(placements)})"
+                            if shards else ""))
         for i, plan in enumerate(self.graph_plans):
             v = plan.verified
             lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "

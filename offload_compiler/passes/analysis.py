@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..distributed import local_of
 from .schedule import Use
 
 
@@ -39,6 +40,7 @@ def _value(node: fx.Node):
 
 def _storage(value) -> StorageWeakRef | None:
     if isinstance(value, torch.Tensor):
+        value = local_of(value)  # a DTensor aliases through its local shard
         try:
             return StorageWeakRef(value.untyped_storage())
         except (NotImplementedError, RuntimeError):

@@ -14,7 +14,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .analysis import Reads, WeightInput
+from ..distributed import from_local_slot, is_dtensor
+from .analysis import Reads, WeightInput, _value
 from .schedule import Schedule
 
 OPS = torch.ops.offload_compiler
@@ -36,20 +37,23 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _slot_views(graph: fx.Graph, buffers: fx.Node, group: int, slots: set[int], layout: Layout,
-                n_buckets: int) -> dict[int, fx.Node]:
+                n_buckets: int, runtime_id: int = 0, dtensors: frozenset = frozenset()) -> dict[int, fx.Node]:
     items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets)]
     views = {}
     for slot in sorted(slots):
         bucket, shape, offset = layout[group][slot]
         views[slot] = graph.call_function(torch.ops.aten.as_strided.default,
                                           (items[bucket], list(shape), list(_contiguous_stride(shape)), offset))
+        if (group, slot) in dtensors:  # tensor parallel: the DTensor rebuilt around the fetched local shard
+            views[slot] = graph.call_function(from_local_slot, (views[slot], runtime_id, group, slot))
         views[slot].meta["offload_slot"] = (group, slot)
     return views
 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
                      reads: dict[tuple[fx.Node, int], list[Reads]], resident_groups: set[int],
-                     runtime_id: int, layout: Layout, fetch_key, park: frozenset[int] = frozenset()) -> Rewritten:
+                     runtime_id: int, layout: Layout, fetch_key, park: frozenset[int] = frozenset(),
+                     dtensors: frozenset = frozenset()) -> Rewritten:
     nodes = list(gm.graph.nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -83,7 +87,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             resident_buffers.extend(graph.call_function(operator.getitem, (buffers, b))
                                     for b in range(n_buckets[group]))
             resident_views[group] = _slot_views(graph, buffers, group, slots_in_graph[group], layout,
-                                                n_buckets[group])
+                                                n_buckets[group], runtime_id, dtensors)
 
     def weight_arg(user: fx.Node, arg: fx.Node) -> fx.Node:
         w = weights[arg]
@@ -108,7 +112,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
                                                              [last_prefetch] + evicts_since_wait))
             evicts_since_wait = []
             fetched[inst.index] = (buffers, _slot_views(graph, buffers, inst.group, slots_in_graph[inst.group],
-                                                        layout, n_buckets[inst.group]))
+                                                        layout, n_buckets[inst.group], runtime_id, dtensors))
         if node.op == "output":
             break
         env[node] = graph.node_copy(
@@ -118,6 +122,9 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets[inst.group])]
             rs = [r for use in inst.uses for r in reads[use.key]]
             leaves = list(dict.fromkeys(env[leaf] for r in rs for leaf in r.leaves))
+            if dtensors:  # the evict orders after a DTensor reader through its local shard (no communication)
+                leaves = [graph.call_method("to_local", (leaf,)) if is_dtensor(_value(leaf)) else leaf
+                          for leaf in leaves]
             parked = inst.index in park
             poison = not parked and not any(r.unordered for r in rs)
             token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves, parked))

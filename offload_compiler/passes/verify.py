@@ -5,6 +5,7 @@ of device weight bytes of the schedule, which the runtime's ledger must reproduc
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -30,7 +31,10 @@ class Verified:
 
 
 def _fetch_node(view: fx.Node) -> fx.Node:
-    return view.args[0].args[0]  # as_strided(getitem(fetch, bucket), ...)
+    node = view  # [from_local_slot(]as_strided(getitem(fetch, bucket), ...)[)]
+    while node.target is not operator.getitem:
+        node = node.args[0]
+    return node.args[0]
 
 
 def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes: dict[int, int]) -> Verified:
@@ -68,7 +72,8 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
                     position[r] > position[fetch] for r in found):
                 raise ScheduleError(f"{placeholder.name} is read before it is fetched")
             continue
-        ordered = set(evict.args[4])
+        ordered = {n.args[0] if n.op == "call_method" and n.target == "to_local" else n  # DTensor readers
+                   for n in evict.args[4]}
         for reader in found:
             if not position[fetch] < position[reader] < position[evict]:
                 raise ScheduleError(f"{reader.format_node()} reads {placeholder.name} outside its fetch window")
