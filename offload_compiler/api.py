@@ -216,6 +216,13 @@ def remove_offload(module: Any) -> nn.Module:
     runtime = _runtime(module)
     runtime.unpack()
     model = module._orig_mod if hasattr(module, "_orig_mod") else module
+    modules = model.modules() if isinstance(model, nn.Module) else (
+        m for value in vars(model).values() if isinstance(value, nn.Module) for m in value.modules())
+    for submodule in modules:  # components called on their own run their own forward again
+        if isinstance(submodule.__dict__.get("forward"), _OffloadedForward):
+            del submodule.forward
+    if not isinstance(model, nn.Module):
+        del model._offload_runtime
     forget_runtime(model)
     return model
 

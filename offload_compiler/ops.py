@@ -67,7 +67,3 @@ def resident(runtime: int, group: int) -> list[torch.Tensor]:
 @resident.register_fake
 def _(runtime, group):
     return _fake_buffers(runtime, group)
-
-
-TRANSFER_OPS = (torch.ops.offload_compiler.prefetch.default, torch.ops.offload_compiler.wait.default,
-                torch.ops.offload_compiler.evict.default, torch.ops.offload_compiler.resident.default)

@@ -164,3 +164,24 @@ def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav()
     stats = offload_stats(m)
     assert stats.peak_resident_bytes == max(groups.values())
     assert 1 - stats.peak_resident_bytes / sum(groups.values()) >= 0.3  # the seeds' 30-50% for multi-stage
+
+
+def test_remove_offload_restores_components_called_on_their_own():
+    from offload_compiler import remove_offload
+    model, args = omni()
+    with torch.no_grad():
+        expected = model.token2wav(model.talker(model.thinker(*args)))
+    m = offload_compile(model, OffloadPolicy(strategy="alternating", **CPU))
+    with torch.no_grad():
+        m.talker(m.thinker(*args))
+    plain = remove_offload(m)
+    assert all("forward" not in sub.__dict__ for sub in plain.modules())
+    with torch.no_grad():
+        assert torch.equal(plain.token2wav(plain.talker(plain.thinker(*args))), expected)
+    pipe, kwargs = diffusion_pipeline()
+    expected = pipe(**kwargs)
+    pipe = offload_compile(pipe, OffloadPolicy(strategy="model", **CPU))
+    pipe(**kwargs)
+    pipe = remove_offload(pipe)
+    assert not hasattr(pipe, "_offload_runtime") and "forward" not in pipe.transformer.__dict__
+    assert torch.equal(pipe(**kwargs), expected)

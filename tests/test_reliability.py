@@ -262,6 +262,8 @@ def test_two_threads_get_correct_results():
     for t in threads:
         t.join(timeout=120)
     assert not errors and len(results) == 30 and all(results.values())
+    instances = len(m._offload_runtime.graph_plans[0].schedule.instances)
+    assert offload_stats(m).fetch_count == 31 * instances  # every call, from either thread, fetched its groups
 
 
 @pytest.mark.parametrize("entry", ["offload_compile", "torch.compile"])

@@ -37,7 +37,9 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _slot_views(graph: fx.Graph, buffers: fx.Node, group: int, slots: set[int], layout: Layout,
-                n_buckets: int, runtime_id: int = 0, dtensors: frozenset = frozenset()) -> dict[int, fx.Node]:
+                n_buckets: int, runtime_id: int = 0, dtensors: frozenset = frozenset()
+                ) -> tuple[list[fx.Node], dict[int, fx.Node]]:
+    """The fetched flat buffers (one per bucket) and, over them, a view per weight slot."""
     items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets)]
     views = {}
     for slot in sorted(slots):
@@ -47,7 +49,7 @@ def _slot_views(graph: fx.Graph, buffers: fx.Node, group: int, slots: set[int], 
         if (group, slot) in dtensors:  # tensor parallel: the DTensor rebuilt around the fetched local shard
             views[slot] = graph.call_function(from_local_slot, (views[slot], runtime_id, group, slot))
         views[slot].meta["offload_slot"] = (group, slot)
-    return views
+    return items, views
 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
@@ -76,7 +78,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     last_prefetch: fx.Node | None = None
     evicts_since: list[fx.Node] = []  # since the last prefetch
     evicts_since_wait: list[fx.Node] = []
-    fetched: dict[int, tuple[fx.Node, dict[int, fx.Node]]] = {}  # instance -> (buffers, slot views)
+    fetched: dict[int, tuple[list[fx.Node], dict[int, fx.Node]]] = {}  # instance -> (flat buffers, slot views)
     resident_views: dict[int, dict[int, fx.Node]] = {}
     resident_buffers: list[fx.Node] = []
     tokens: list[fx.Node] = []
@@ -84,10 +86,9 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     def emit_resident() -> None:
         for group in sorted(resident_groups & set(slots_in_graph)):
             buffers = graph.call_function(OPS.resident.default, (runtime_id, group))
-            resident_buffers.extend(graph.call_function(operator.getitem, (buffers, b))
-                                    for b in range(n_buckets[group]))
-            resident_views[group] = _slot_views(graph, buffers, group, slots_in_graph[group], layout,
-                                                n_buckets[group], runtime_id, dtensors)
+            items, resident_views[group] = _slot_views(graph, buffers, group, slots_in_graph[group], layout,
+                                                       n_buckets[group], runtime_id, dtensors)
+            resident_buffers.extend(items)
 
     def weight_arg(user: fx.Node, arg: fx.Node) -> fx.Node:
         w = weights[arg]
@@ -111,15 +112,14 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             buffers = graph.call_function(OPS.wait.default, (runtime_id, inst.group, keys[inst.index],
                                                              [last_prefetch] + evicts_since_wait))
             evicts_since_wait = []
-            fetched[inst.index] = (buffers, _slot_views(graph, buffers, inst.group, slots_in_graph[inst.group],
-                                                        layout, n_buckets[inst.group], runtime_id, dtensors))
+            fetched[inst.index] = _slot_views(graph, buffers, inst.group, slots_in_graph[inst.group], layout,
+                                              n_buckets[inst.group], runtime_id, dtensors)
         if node.op == "output":
             break
         env[node] = graph.node_copy(
             node, lambda arg: weight_arg(node, arg) if arg in weights else env[arg])
         for inst in evicts_at.get(position, []):
-            buffers, _ = fetched[inst.index]
-            items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets[inst.group])]
+            items, _ = fetched[inst.index]
             rs = [r for use in inst.uses for r in reads[use.key]]
             leaves = list(dict.fromkeys(env[leaf] for r in rs for leaf in r.leaves))
             if dtensors:  # the evict orders after a DTensor reader through its local shard (no communication)
