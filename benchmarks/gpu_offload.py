@@ -11,6 +11,8 @@ Workloads (sizes are flags; the defaults put several GB of bf16 weights on the G
 Methods:
   none, none-inductor                       weights resident on the device (compute-only time, eager / inductor)
   ours-layerwise-p{1,2}-{eager,inductor}    offload_compile(strategy="layerwise", prefetch=1|2)
+  ours-layerwise-p1wrap-{eager,inductor}    the same with prefetch_next_call=True (the last group of a call
+                                            prefetches the first group of the next call)
   ours-budget-{eager,inductor}              offload_compile(strategy="budget"): --budget-fraction of the blocks
   accelerate-cpu_offload                    accelerate.cpu_offload(model, execution_device)
   diffusers-group-block                     diffusers.hooks.apply_group_offloading(block_level, 1 block per group,
@@ -57,6 +59,7 @@ GIB = 1 << 30
 ALL_METHODS = ("none", "none-inductor",
                "ours-layerwise-p1-eager", "ours-layerwise-p2-eager",
                "ours-layerwise-p1-inductor", "ours-layerwise-p2-inductor",
+               "ours-layerwise-p1wrap-eager", "ours-layerwise-p1wrap-inductor",
                "ours-budget-eager", "ours-budget-inductor",
                "accelerate-cpu_offload", "diffusers-group-block", "vllm-functional_call")
 ALL_WORKLOADS = ("dit", "llm_prefill", "llm_decode_b1", "llm_decode_b64")
@@ -282,7 +285,8 @@ def setup_method(name: str, family: Family, device: torch.device, args, shared: 
         compiler = rest[-1]
         fields: dict[str, Any] = {"strategy": strategy, "device": str(device), "compiler": compiler}
         if strategy == "layerwise":
-            fields["prefetch"] = int(rest[0][1:])
+            fields["prefetch"] = int(rest[0][1:].removesuffix("wrap"))
+            fields["prefetch_next_call"] = rest[0].endswith("wrap")
         else:
             b = budget_policy_fields(family, model, args.budget_fraction)
             fields["offload_gb"] = b["offload_gb"]
@@ -629,7 +633,10 @@ def run_family(family: Family, methods: list[str], workloads: list[str], device:
                              "streamed_bytes": st.streamed_bytes, "total_bytes": st.total_bytes,
                              "plan_predicted_peak_bytes": (max(p.verified.streamed_peak_bytes for p in plans)
                                                            + st.resident_bytes) if plans else None,
-                             "graphs": len(plans)}
+                             "graphs": len(plans), "carried_bytes": st.carried_bytes,
+                             "carry_hits_per_call": st.carry_hits}
+                if r["max_memory_allocated_bytes"] is not None:  # copies carried into the timed call were
+                    r["max_memory_allocated_bytes"] += st.carried_bytes  # allocated before its peak reset
                 r["bytes_moved"] = st.bytes_transferred
                 r["bytes_moved_source"] = "offload ledger"
             prof = None

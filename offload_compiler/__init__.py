@@ -1,8 +1,8 @@
 """offload_compiler: run PyTorch models whose weights live in host memory, with weight transfers as
 explicit nodes of the model's graph (eager or inductor)."""
 
-from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_stats, remove_offload,
-                  reset_offload_stats)
+from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_stats,
+                  release_device_copies, remove_offload, reset_offload_stats)
 from .auto import OffloadPlan, offload_plan, plan_offload
 from .backend import omni_offload
 from .planner import InfeasibleBudgetError
@@ -10,6 +10,6 @@ from .policy import OffloadPolicy
 from .runtime import OffloadStats
 
 __all__ = ["OffloadPolicy", "OffloadStats", "OffloadedModule", "offload_compile", "offload_stats",
-           "reset_offload_stats", "describe_plan", "remove_offload", "inject_fault", "omni_offload", "OffloadPlan",
+           "reset_offload_stats", "release_device_copies", "describe_plan", "remove_offload", "inject_fault", "omni_offload", "OffloadPlan",
            "offload_plan", "plan_offload", "InfeasibleBudgetError"]
 __version__ = "0.1.0"

@@ -206,6 +206,13 @@ def reset_offload_stats(module: Any) -> None:
     _runtime(module).reset_stats()
 
 
+def release_device_copies(module: Any) -> int:
+    """Free the device memory an offloaded model holds between calls: resident groups, parked components and
+    copies prefetched for the next call (``prefetch_next_call``). The next call fetches what it needs again.
+    Returns the bytes released."""
+    return _runtime(module).release_device_copies()
+
+
 def describe_plan(module: Any) -> str:
     return _runtime(module).describe()
 

@@ -214,7 +214,7 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
         if per > 1 and per > n_blocks:
             break
         specs = plan_groups(model, policy.replace(blocks_per_group=per))
-        table = build_table(gm, example_inputs, specs, rates, per)
+        table = build_table(gm, example_inputs, specs, rates, per, carry=policy.prefetch_next_call)
         first_table = first_table or table
         solution = _predicted_times(table, budget)
         candidates[per] = solution.prediction.time_s if solution else None
@@ -260,7 +260,8 @@ class AutoOffloadedModule(OffloadedModule):
             return self._offload_plan
         policy, model = self._auto_policy, self._orig_mod
         plan = plan_offload(model, policy, *args, **kwargs)
-        concrete = policy.replace(prefetch=plan.prefetch, blocks_per_group=plan.blocks_per_group)
+        concrete = policy.replace(prefetch=plan.prefetch, blocks_per_group=plan.blocks_per_group,
+                                  prefetch_next_call=policy.prefetch_next_call and plan.prefetch > 0)
         runtime = OffloadRuntime(concrete, planned_specs(model, policy, plan), type(model).__name__)
         backend._MODULE_RUNTIMES[model] = runtime
         object.__setattr__(self, "_offload_runtime", runtime)

@@ -26,6 +26,7 @@ from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime
 
+MAX_VARIANTS = 1024  # per captured graph: weight sets it was called with (one per layer for a reused layer graph)
 _MODULE_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, OffloadRuntime]" = weakref.WeakKeyDictionary()
 
 
@@ -35,6 +36,7 @@ class GraphPlan:
     schedule: Schedule
     verified: Verified
     num_nodes: int
+    carry_keys: frozenset[int] = frozenset()  # fetch keys carried from one call of the graph to the next
 
 
 def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, move: bool) -> None:
@@ -89,13 +91,14 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     policy = runtime.policy
     alternating = policy.strategy in COMPONENT_STRATEGIES
     # alternating: a component is alone on the device while it runs, so nothing is fetched ahead of it
-    schedule = build_schedule(uses, 0 if alternating else policy.prefetch)
+    schedule = build_schedule(uses, 0 if alternating else policy.prefetch, carry=policy.prefetch_next_call)
     resident = {w.group for w in weights.values()} - streamed
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
                                  runtime.new_fetch_key, _parked_instance(schedule, runtime),
                                  frozenset(runtime.dtensor_specs))
     verified = verify(rewritten.graph_module, weights, {g.index: g.nbytes for g in runtime.groups})
-    return rewritten.graph_module, rewritten.num_outputs, GraphPlan(schedule, verified, len(gm.graph.nodes))
+    return rewritten.graph_module, rewritten.num_outputs, GraphPlan(schedule, verified, len(gm.graph.nodes),
+                                                                    rewritten.carry_keys)
 
 
 class RuntimeBackend:
@@ -122,13 +125,22 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     return GraphRunner(gm, example_inputs, runtime)
 
 
-def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> tuple[Callable, int]:
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of running a captured graph: its compiled form, and the group ids to remap (see GraphRunner)."""
+    run: Callable
+    num_outputs: int
+    remap: dict[int, int] | None = None
+    carry_keys: frozenset[int] = frozenset()
+
+
+def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Variant:
     new_gm, num_outputs, plan = rewrite_graph(gm, example_inputs, runtime)
     runtime.graph_plans.append(plan)
     if runtime.policy.compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(new_gm, example_inputs), num_outputs
-    return new_gm, num_outputs
+        return Variant(compile_fx(new_gm, example_inputs), num_outputs, None, plan.carry_keys)
+    return Variant(new_gm, num_outputs, None, plan.carry_keys)
 
 
 class GraphRunner:
@@ -144,21 +156,20 @@ class GraphRunner:
                                   if isinstance(value, torch.Tensor) and (
                                       id(value) in runtime.group_of or isinstance(value, nn.Parameter))]
         self._compiled_ids = self._ids(example_inputs)
-        self._variants: dict[tuple, tuple[Callable, int, dict | None]] = {}
-        inner, num_outputs = _compile_variant(gm, example_inputs, runtime)
-        self._variants[self._compiled_ids] = (inner, num_outputs, None)
+        self._variants: dict[tuple, Variant] = {self._compiled_ids: _compile_variant(gm, example_inputs, runtime)}
 
     def _ids(self, args) -> tuple:
         return tuple(id(args[i]) for i in self._weight_positions)
 
-    def _variant_for(self, args, ids: tuple, rt: OffloadRuntime):
+    def _variant_for(self, args, ids: tuple, rt: OffloadRuntime) -> Variant:
         remap = rt.remap_between([args[i] for i in self._weight_positions], self._compiled_ids)
-        base_inner, base_outputs, _ = self._variants[self._compiled_ids]
-        if remap is not None:
-            variant = (base_inner, base_outputs, remap)
+        if remap is not None:  # the same graph over other layers' weights: it carries nothing between calls
+            base = self._variants[self._compiled_ids]
+            variant = Variant(base.run, base.num_outputs, remap)
         else:
-            inner, num_outputs = _compile_variant(self._gm, list(args), rt)
-            variant = (inner, num_outputs, None)
+            variant = _compile_variant(self._gm, list(args), rt)
+        if len(self._variants) >= MAX_VARIANTS:  # forget the oldest, never the graph as compiled
+            del self._variants[next(k for k in self._variants if k != self._compiled_ids)]
         self._variants[ids] = variant
         return variant
 
@@ -170,11 +181,11 @@ class GraphRunner:
         with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
             ids = self._ids(args)
             variant = self._variants.get(ids) or self._variant_for(args, ids, rt)
-            inner, num_outputs, remap = variant
             rt.graph_calls += 1
-            rt.group_remap = remap
+            rt.begin_graph(variant.carry_keys)
+            rt.group_remap = variant.remap
             try:
-                out = inner(*args)
+                out = variant.run(*args)
             except BaseException as exc:
                 rt.abandon_pending()
                 # the graph's frames in the traceback would keep its device copies alive as long as the
@@ -183,7 +194,7 @@ class GraphRunner:
                 raise
             finally:
                 rt.group_remap = None
-        return out[0] if num_outputs < 0 else tuple(out[:num_outputs])
+        return out[0] if variant.num_outputs < 0 else tuple(out[:variant.num_outputs])
 
 
 _LOCAL = re.compile(r"^([LG])\['([^']+)'\]")

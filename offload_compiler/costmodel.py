@@ -191,7 +191,7 @@ def activation_peak(gm: fx.GraphModule, weight_nodes: set[fx.Node]) -> int:
 # -- the table ------------------------------------------------------------------------------------------
 
 def build_table(gm: fx.GraphModule, example_inputs: list, specs: list[GroupSpec], rates: DeviceRates,
-                blocks_per_group: int = 1) -> CostTable:
+                blocks_per_group: int = 1, carry: bool = False) -> CostTable:
     group_of = {id(w.tensor): (gi, si) for gi, spec in enumerate(specs) for si, w in enumerate(spec.weights)}
     weights = weight_inputs(gm, example_inputs, group_of)
     uses, _ = collect_uses(gm, weights, set(range(len(specs))))
@@ -203,4 +203,5 @@ def build_table(gm: fx.GraphModule, example_inputs: list, specs: list[GroupSpec]
         activation_bytes=activation_peak(gm, set(weights)),
         fetch_overhead_s=rates.fetch_overhead_s,
         overlap=rates.overlap,
-        blocks_per_group=blocks_per_group)
+        blocks_per_group=blocks_per_group,
+        carry=carry)

@@ -22,14 +22,16 @@ def _fake_buffers(runtime: int, group: int) -> list[torch.Tensor]:
 
 
 @custom_op(f"{NAMESPACE}::prefetch", mutates_args=())
-def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor]) -> torch.Tensor:
-    """Start copying ``group`` to the device (asynchronously on an accelerator); returns a token."""
-    runtime_by_id(runtime).prefetch(key, group)
+def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor], mode: int = 0) -> torch.Tensor:
+    """Start copying ``group`` to the device (asynchronously on an accelerator); returns a token. ``mode``
+    (`passes.insert`): 0 copy now; 1 take the copy the previous call carried if still valid, else copy;
+    2 copy for the next call of this graph (prefetch wrap-around)."""
+    runtime_by_id(runtime).prefetch(key, group, mode)
     return _token()
 
 
 @prefetch.register_fake
-def _(runtime, group, key, deps):
+def _(runtime, group, key, deps, mode=0):
     return _token()
 
 

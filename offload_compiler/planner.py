@@ -50,6 +50,7 @@ class CostTable:
     fetch_overhead_s: float = 0.0  # fixed cost of one fetch (op dispatch, copy launch)
     overlap: bool = True  # fetches run beside compute (copy stream) instead of inline
     blocks_per_group: int = 1
+    carry: bool = False  # prefetch wrap-around (policy.prefetch_next_call): steady-state calls are predicted
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "uses", compress_uses(self.uses))
@@ -128,7 +129,8 @@ class Prediction:
 
 
 def schedule_for(table: CostTable, choice: Choice) -> Schedule:
-    return build_schedule([u for u in table.uses if u.group not in choice.resident], choice.prefetch)
+    return build_schedule([u for u in table.uses if u.group not in choice.resident], choice.prefetch,
+                          carry=table.carry)
 
 
 def predict(table: CostTable, choice: Choice) -> Prediction:
@@ -144,31 +146,50 @@ def predict(table: CostTable, choice: Choice) -> Prediction:
 
 def _replay(table: CostTable, schedule: Schedule, events: list | None = None) -> float:
     """Forward time of a schedule: waits in order, each issuing the prefetches the schedule puts there.
+    With carried instances (wrap-around) it is a steady-state call: they were issued by the previous call at
+    their carry points, so they are ready at the start unless the copies ran past the end of that call.
     ``events`` collects (kind, group, start, end) for a timeline."""
     instances = schedule.instances
+    carried = schedule.carried
     issued_at: dict[int, list[int]] = {}
     for inst in instances:
-        issued_at.setdefault(schedule.prefetch_at[inst.index], []).append(inst.index)
+        if inst.index not in carried:
+            issued_at.setdefault(schedule.prefetch_at[inst.index], []).append(inst.index)
+    carried_at: dict[int, list[int]] = {}
+    for index, at in schedule.carry_at:
+        carried_at.setdefault(at, []).append(index)
     clock = copy_free = 0.0
     position = 0
-    done: dict[int, float] = {}
+    done: dict[int, float] = {i: 0.0 for i in carried}
+    carried_done: dict[int, float] = {}
     record = events.append if events is not None else (lambda _: None)
+
+    def issue(index: int, into: dict[int, float]) -> None:
+        nonlocal clock, copy_free
+        group, seconds = instances[index].group, table.transfer_s(instances[index].group)
+        if table.overlap:
+            start = max(clock, copy_free)
+            copy_free = into[index] = start + seconds
+        else:
+            start, clock = clock, clock + seconds
+            into[index] = clock
+        record(("transfer", group, start, into[index]))
+
     for inst in instances:
         record(("compute", -1, clock, clock + table.compute_between(position, inst.start)))
         clock += table.compute_between(position, inst.start)
         position = inst.start
         for ahead in issued_at.get(inst.index, ()):
-            group, seconds = instances[ahead].group, table.transfer_s(instances[ahead].group)
-            if table.overlap:
-                start = max(clock, copy_free)
-                copy_free = done[ahead] = start + seconds
-            else:
-                start, clock = clock, clock + seconds
-                done[ahead] = clock
-            record(("transfer", group, start, done[ahead]))
+            issue(ahead, done)
+        for index in carried_at.get(inst.index, ()):
+            issue(index, carried_done)
         clock = max(clock, done[inst.index])
     record(("compute", -1, clock, clock + table.compute_between(position, len(table.node_seconds))))
-    return clock + table.compute_between(position, len(table.node_seconds))
+    clock += table.compute_between(position, len(table.node_seconds))
+    for index in carried_at.get(len(instances), ()):
+        issue(index, carried_done)
+    # copies still running at the end delay the next call's first wait: charged to this call
+    return max([clock] + list(carried_done.values()))
 
 
 def timeline(table: CostTable, choice: Choice) -> list[tuple[str, int, float, float]]:
@@ -324,7 +345,10 @@ def _faster_than_bound(best: Prediction, bound_s: float) -> bool:
 
 def _overlap_bound(table: CostTable, streamed: set[int]) -> float:
     """A lower bound on the time of any plan streaming at least ``streamed``, copies beside compute: each of
-    these groups is fetched at least once before its first use, on one copy engine that never idles."""
+    these groups is fetched at least once before its first use, on one copy engine that never idles. With
+    wrap-around a call's first copies run in the previous call, so only the copy engine's total counts."""
+    if table.carry:
+        return max(table.compute_s, sum(table.transfer_s(g) for g in streamed))
     first = table.first_use()
     clock = copy_free = 0.0
     position = 0

@@ -49,6 +49,11 @@ class OffloadPolicy:
                        activations) within ``device_budget_gb``; it plans at the first call.
     device:            the compute device; weights live in host memory.
     prefetch:          how many groups are fetched ahead of the one being computed.
+    prefetch_next_call: prefetch wrap-around: the last groups of a call prefetch the first ``prefetch`` groups
+                       of the next call of the same graph (decode loops, denoising steps), so the first fetch
+                       overlaps the previous call's tail. Those copies stay on the device between calls
+                       (``offload_stats().carried_bytes``; `release_device_copies` drops them); a copy whose
+                       host weights changed meanwhile is fetched again.
     blocks_per_group:  consecutive blocks that move together (layerwise, budget).
     offload_gb:        GiB of weights streamed (budget).
     device_budget_gb:  GiB of device memory the model may use (auto), or ``"free"``: what the device has free
@@ -90,6 +95,7 @@ class OffloadPolicy:
     debug_poison: bool = False
     components: tuple[str, ...] | None = None
     keep_after_use: bool = True
+    prefetch_next_call: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -124,9 +130,16 @@ class OffloadPolicy:
             if strategy not in ("alternating", "sequential"):
                 raise ValueError(f"components apply to strategy 'alternating' or 'sequential', not {strategy!r}")
             set_("components", names)
-        for name in ("pin_memory", "offload_buffers", "fullgraph", "debug_poison", "keep_after_use"):
+        for name in ("pin_memory", "offload_buffers", "fullgraph", "debug_poison", "keep_after_use",
+                     "prefetch_next_call"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.prefetch_next_call and strategy in COMPONENT_STRATEGIES:
+            raise ValueError(f"prefetch_next_call does not apply to strategy={strategy!r}: a component is alone on the "
+                             f"device, and keep_after_use=True already keeps the last one for the next call")
+        if self.prefetch_next_call and self.prefetch == 0 and strategy != "auto":
+            raise ValueError("prefetch_next_call=True needs prefetch >= 1: it moves the first prefetches of a call "
+                             "into the previous call")
         if self.blocks_attr is not None:
             attrs = (self.blocks_attr,) if isinstance(self.blocks_attr, str) else tuple(self.blocks_attr)
             if not attrs or not all(isinstance(a, str) and a for a in attrs):

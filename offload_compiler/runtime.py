@@ -44,6 +44,8 @@ class OffloadStats:
     total_bytes: int  # all weights of the model
     parked_bytes: int = 0  # components kept on the device after their forward (alternating, model)
     unmanaged_bytes: int = 0  # weights outside every group, living on the compute device
+    carried_bytes: int = 0  # prefetched by the last call for the next one (prefetch_next_call), held now
+    carry_hits: int = 0  # calls' first fetches served by the previous call's prefetch
 
     @property
     def peak_device_weight_bytes(self) -> int:
@@ -54,9 +56,11 @@ class OffloadStats:
         mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
         total = self.total_bytes + self.unmanaged_bytes
         kept = f", {mib(self.unmanaged_bytes)} kept on the device" if self.unmanaged_bytes else ""
+        carried = (f"; {mib(self.carried_bytes)} prefetched for the next call ({self.carry_hits} used)"
+                   if self.carried_bytes or self.carry_hits else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
-                f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept})")
+                f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
 
 
 @dataclasses.dataclass
@@ -65,6 +69,15 @@ class Fault:
     group: int | None
     exception: BaseException
     times: int
+
+
+@dataclasses.dataclass
+class Carried:
+    """A copy prefetched at the end of a call for the next call of the same graph."""
+    group: int
+    stamp: tuple  # the group's host weights when copied: a changed weight makes the copy stale
+    buffers: list[torch.Tensor]
+    done: object
 
 
 @dataclasses.dataclass
@@ -155,17 +168,40 @@ class PinningUnavailable(RuntimeError):
     pass
 
 
-def _pin_exact(host: torch.Tensor) -> torch.Tensor:
+class HostRegistrations:
+    """Host buffers pinned in place with ``cudaHostRegister``. Each is unregistered while its memory is still
+    allocated: explicitly when the runtime unpacks, else when the runtime is collected (this object holds the
+    buffers, so they cannot be freed first)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def register(self, host: torch.Tensor) -> bool:
+        try:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(host.data_ptr(), host.untyped_storage().nbytes(), 0)
+        except Exception as exc:
+            log.debug("cudaHostRegister unavailable (%s); using pin_memory()", exc)
+            return False
+        if int(getattr(err, "value", err)) != 0:
+            return False
+        self.buffers.append(host)
+        return True
+
+    def unregister_all(self) -> None:
+        buffers, self.buffers = self.buffers, []
+        for host in buffers:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+            except Exception as exc:  # interpreter shutdown: the process is ending anyway
+                log.debug("cudaHostUnregister failed (%s)", exc)
+
+
+def _pin_exact(host: torch.Tensor, registrations: HostRegistrations | None = None) -> torch.Tensor:
     """Pin an already-filled host buffer in place at its exact size (no power-of-two rounding of the
     caching host allocator); fall back to a pinned copy where registration is unavailable."""
-    try:
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(host.data_ptr(), host.untyped_storage().nbytes(), 0)
-        if int(getattr(err, "value", err)) == 0:
-            weakref.finalize(host.untyped_storage(), cudart.cudaHostUnregister, host.data_ptr())
-            return host
-    except Exception as exc:
-        log.debug("cudaHostRegister unavailable (%s); using pin_memory()", exc)
+    if registrations is not None and registrations.register(host):
+        return host
     try:
         return host.pin_memory()
     except RuntimeError as exc:
@@ -209,7 +245,8 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
     return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive)
 
 
-def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None) -> None:
+def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None,
+               registrations: HostRegistrations | None = None) -> None:
     """Copy a group's weights into one flat host buffer per dtype and make each weight's ``.data`` a view
     into it, so the module keeps its parameters (and ``state_dict``) while one copy moves the group."""
     for bi, bucket in enumerate(group.buckets):
@@ -226,7 +263,7 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
                 flat[s.offset:s.offset + s.numel].copy_(local_of(s.tensor).detach().reshape(-1))
         if pin:
             try:
-                flat = _pin_exact(flat)
+                flat = _pin_exact(flat, registrations)
             except PinningUnavailable as exc:
                 if on_pin_failure is None:
                     raise
@@ -257,6 +294,8 @@ class OffloadRuntime:
         self.lock = threading.RLock()
         self.closed = False
         self._faults: list[Fault] = []
+        self._registrations = HostRegistrations()
+        weakref.finalize(self, self._registrations.unregister_all)
         if pack_now:
             for group in self.groups:
                 self._pack(group)
@@ -276,6 +315,10 @@ class OffloadRuntime:
         self._pending: dict[int, tuple[list[torch.Tensor], object]] = {}
         self._resident: dict[int, tuple[list[torch.Tensor], tuple]] = {}
         self._parked: dict[int, tuple[list[torch.Tensor], tuple]] = {}
+        self._carried: dict[int, Carried] = {}  # fetch key -> copy made by the previous call
+        self._carry_used: set[int] = set()  # keys whose carried copy was taken at least once
+        self._carry_misses: dict[int, int] = {}  # keys whose carried copy was dropped unused, how often
+        self.carry_hits = 0
         self._copy_stream = None
         self._fetch_keys = itertools.count(1)
         _RUNTIMES[self.id] = self
@@ -317,7 +360,7 @@ class OffloadRuntime:
         return buffers, done
 
     def _pack(self, group: Group) -> None:
-        pack_group(group, self.pinned, self._pinning_failed)
+        pack_group(group, self.pinned, self._pinning_failed, self._registrations)
 
     def _pinning_failed(self, reason: str) -> None:
         """Pinned memory could not be had: keep going with pageable host memory, saying so once."""
@@ -360,9 +403,25 @@ class OffloadRuntime:
                 set_local(slot.tensor, view.view(slot.shape))
                 slot.host_ptr = local_of(slot.tensor).data_ptr()
 
-    def prefetch(self, key: int, group: int) -> None:
+    def prefetch(self, key: int, group: int, mode: int = 0) -> None:
+        """mode: 0 copy now; 1 take the copy the previous call carried for ``key`` if still valid (same group,
+        host weights unchanged), else copy; 2 copy for the next call (prefetch wrap-around)."""
         group = self._actual(group)
         g = self.groups[group]
+        if mode == 2:
+            if self.group_remap is None and self._carry_misses.get(key, 0) < 2:
+                buffers, done = self._copy_group(g)
+                self._carried[key] = Carried(group, self._stamp(g), buffers, done)
+            return
+        if mode == 1:
+            carried = self._carried.pop(key, None)
+            if carried is not None and carried.group == group and carried.stamp == self._stamp(g):
+                self._pending[key] = (carried.buffers, carried.done)
+                self._carry_used.add(key)
+                self.carry_hits += 1
+                return
+            if carried is not None:
+                self._drop(carried.buffers, carried.done)
         if g.exclusive:  # alternating: other components leave before this one arrives
             for other in [o for o in self._parked if o != group]:
                 del self._parked[other]
@@ -436,15 +495,52 @@ class OffloadRuntime:
         self._resident[group] = (buffers, self._stamp(g))
         return buffers
 
+    def begin_graph(self, carry_keys: frozenset[int]) -> None:
+        """A graph is about to run: copies carried for another graph (the next call took a different graph:
+        new shapes, another component) go now, before this graph's own copies arrive. A key whose copies
+        keep going unused (two graphs alternating within one call) stops carrying."""
+        for key in [k for k in self._carried if k not in carry_keys]:
+            carried = self._carried.pop(key)
+            self._drop(carried.buffers, carried.done)
+            if key not in self._carry_used:
+                self._carry_misses[key] = self._carry_misses.get(key, 0) + 1
+
+    def _drop(self, buffers: list[torch.Tensor], done: object) -> None:
+        """Release device copies that no compute read; their memory is reused only after their copy ended."""
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        for buf in buffers:
+            self.ledger.evicted(buf)
+
     def abandon_pending(self) -> None:
-        """Drop prefetched copies a failed call never waited for (after their copies finished)."""
-        if self._pending and self._copy_stream is not None:
+        """Drop prefetched copies a failed call never waited for, and copies carried for a next call (after
+        their copies finished)."""
+        if (self._pending or self._carried) and self._copy_stream is not None:
             self._copy_stream.synchronize()
         self._pending.clear()
+        self.release_carried()
+
+    def release_carried(self) -> int:
+        freed = sum(self.groups[c.group].nbytes for c in self._carried.values())
+        for carried in self._carried.values():
+            self._drop(carried.buffers, carried.done)
+        self._carried.clear()
+        return freed
 
     def release_resident(self) -> None:
         self._resident.clear()
         self._parked.clear()
+
+    def release_device_copies(self) -> int:
+        """Drop every device copy held between calls (resident groups, parked components, copies carried for
+        the next call); the next call fetches what it needs again. Returns the bytes released."""
+        with self.lock:
+            freed = self.release_carried() + sum(self.groups[g].nbytes for g in {*self._resident, *self._parked})
+            for buffers, _ in [*self._resident.values(), *self._parked.values()]:
+                for buf in buffers:
+                    self.ledger.evicted(buf)
+            self.release_resident()
+            return freed
 
     def unpack(self) -> None:
         """Give every weight its own storage again (the undo of packing) and drop all device copies."""
@@ -457,6 +553,8 @@ class OffloadRuntime:
                 for slot in group.slots:
                     if group.buckets[slot.bucket].owner is None:
                         set_local(slot.tensor, local_of(slot.tensor).detach().clone())
+            self._registrations.unregister_all()  # before the buffers can be freed
+            for group in self.groups:
                 for bucket in group.buckets:
                     if bucket.owner is None:
                         bucket.host = None
@@ -468,14 +566,17 @@ class OffloadRuntime:
         held = sum(self.groups[g].nbytes for g in self._resident)
         parked = sum(self.groups[g].nbytes for g in self._parked)
         streamed = sum(g.nbytes for g in self.groups if g.streamed)
+        carried = sum(self.groups[c.group].nbytes for c in self._carried.values())
         return OffloadStats(self.bytes_transferred, self.ledger.peak, self.fetch_count, self.ledger.live,
-                            held, streamed, self.total_bytes, parked, self.unmanaged_bytes)
+                            held, streamed, self.total_bytes, parked, self.unmanaged_bytes, carried,
+                            self.carry_hits)
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
         mib = lambda n: f"{n / 2**20:9.3f} MiB"  # noqa: E731
         lines = [f"offload plan for {self.model_name}: strategy={self.policy.strategy} device={self.device} "
-                 f"prefetch={self.policy.prefetch} compiler={self.policy.compiler} pinned={self.pinned}"
+                 f"prefetch={self.policy.prefetch}{' (wraps to the next call)' if self.policy.prefetch_next_call else ''} "
+                 f"compiler={self.policy.compiler} pinned={self.pinned}"
                  + (f" rank={torch.distributed.get_rank()}/{torch.distributed.get_world_size()} (bytes are this "
                     f"rank's)" if torch.distributed.is_available() and torch.distributed.is_initialized() else "")]
         for g in self.groups:
@@ -488,9 +589,10 @@ class OffloadRuntime:
                             if shards else ""))
         for i, plan in enumerate(self.graph_plans):
             v = plan.verified
+            carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
             lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "
                          f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
-                         f"{mib(v.streamed_peak_bytes)} streamed)")
+                         f"{mib(v.streamed_peak_bytes)} streamed{carried})")
         resident = sum(g.nbytes for g in self.groups if not g.streamed)
         lines.append(f"  total {mib(self.total_bytes + self.unmanaged_bytes)}: {mib(resident)} resident, "
                      f"{mib(self.total_bytes - resident)} streamed"
@@ -501,4 +603,5 @@ class OffloadRuntime:
     def reset_stats(self) -> None:
         self.bytes_transferred = 0
         self.fetch_count = 0
+        self.carry_hits = 0
         self.ledger.reset_peak()

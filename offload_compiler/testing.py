@@ -128,13 +128,14 @@ if st is not None:
                  compilers: Sequence[str] = ("eager",), max_prefetch: int = 3) -> "st.SearchStrategy[OffloadPolicy]":
         """Valid policies; ``budget`` draws offload_gb from nothing to more than a small model holds. The
         default strategies apply to any model; the component strategies need named components."""
-        def build(strategy, device, compiler, prefetch, per_group, budget_kib):
+        def build(strategy, device, compiler, prefetch, per_group, budget_kib, wrap):
             return OffloadPolicy(strategy=strategy, device=device, compiler=compiler, prefetch=prefetch,
                                  blocks_per_group=per_group, debug_poison=True,
-                                 offload_gb=budget_kib / 2**20 if strategy == "budget" else None)
+                                 offload_gb=budget_kib / 2**20 if strategy == "budget" else None,
+                                 prefetch_next_call=wrap and prefetch > 0)
         return st.builds(build, st.sampled_from(list(strategies)), st.sampled_from(list(devices)),
                          st.sampled_from(list(compilers)), st.integers(0, max_prefetch), st.integers(1, 2),
-                         st.integers(0, 64))
+                         st.integers(0, 64), st.booleans())
 
 
 # -- the check ------------------------------------------------------------------------------------------
@@ -154,7 +155,9 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
 
     - every output equals the plain model's (bit-exact for the eager compiler on CPU, else within tolerance);
     - offloading happened: each call moved at least the streamed bytes, and the ledger saw device copies;
-    - the ledger's peak equals the verified schedule's predicted peak (resident + streamed window).
+    - the ledger's peak equals the verified schedule's predicted peak (resident + streamed window);
+    - no device copy outlives a call except resident, parked and carried ones (and with ``prefetch_next_call``,
+      each call after the first used the copies its previous call prefetched).
 
     Returns the figures for further assertions. ``model`` itself is left untouched.
     """
@@ -191,6 +194,8 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
     predicted = max(p.verified.streamed_peak_bytes for p in plans) + stats.resident_bytes
     assert stats.peak_resident_bytes == predicted, (
         f"ledger peak {stats.peak_resident_bytes} B != predicted peak {predicted} B")
-    held = stats.resident_bytes + stats.parked_bytes
+    held = stats.resident_bytes + stats.parked_bytes + stats.carried_bytes
     assert stats.live_device_bytes == held, f"{stats.live_device_bytes - held} B of device copies outlived the call"
+    if len(plans) == 1 and plans[0].carry_keys and calls > 1:  # one graph: each call takes the last one's copies
+        assert stats.carry_hits >= calls - 1, "prefetch_next_call: no call used the copies its previous call carried"
     return EquivalenceReport(worst, stats.bytes_transferred, stats.peak_resident_bytes, predicted, streamed)

@@ -55,7 +55,7 @@ def test_pass_cost_small(tmp_path):
 
 def test_gpu_harness_smoke(tmp_path):
     out = tmp_path / "gpu_smoke.json"
-    methods = ["none", "ours-layerwise-p1-eager", "ours-budget-eager",
+    methods = ["none", "ours-layerwise-p1-eager", "ours-layerwise-p1wrap-eager", "ours-budget-eager",
                "accelerate-cpu_offload", "diffusers-group-block", "vllm-functional_call"]
     _run("gpu_offload.py", "--smoke", "--device", "cpu", "--reps", "2", "--methods", *methods,
          "--workloads", "dit", "llm_decode_b4", "--rss-methods", "ours-layerwise-p1-eager", "--no-plot", "--out", str(out), timeout=180)
@@ -73,10 +73,13 @@ def test_gpu_harness_smoke(tmp_path):
             assert r["time_s_median"] > 0 and len(r["time_s_all"]) == 2
             assert r["max_memory_allocated_bytes"] is None  # CUDA-only
             assert r["finite"] and r["max_abs_diff_rel"] < 1e-3, (wl, name, r["max_abs_diff_rel"])
-        for name in ("ours-layerwise-p1-eager", "ours-budget-eager"):
+        for name in ("ours-layerwise-p1-eager", "ours-layerwise-p1wrap-eager", "ours-budget-eager"):
             ours = res[name]["ours"]
             assert ours["bytes_transferred_per_call"] > 0 and res[name]["bytes_moved"] > 0
             assert ours["ledger_peak_bytes"] == ours["plan_predicted_peak_bytes"]
+        # wrap-around moves the same bytes per call (the first group one call early)
+        assert res["ours-layerwise-p1wrap-eager"]["ours"]["bytes_transferred_per_call"] == \
+            res["ours-layerwise-p1-eager"]["ours"]["bytes_transferred_per_call"]
         # budget streams fewer bytes than layerwise, exactly the bytes the functional_call baseline offloads
         assert res["ours-budget-eager"]["bytes_moved"] < res["ours-layerwise-p1-eager"]["bytes_moved"]
     fam_methods = data["families"]["dit"]["methods"]

@@ -29,7 +29,7 @@ def cost_tables(draw, max_groups=5, max_uses=9):
     return CostTable(tuple(GroupCost(f"g{i}", b) for i, b in enumerate(sizes)), tuple(uses), tuple(seconds),
                      bandwidth=draw(st.sampled_from([1.0, 5.0, 20.0, 100.0])),
                      activation_bytes=draw(st.integers(0, 50)), fetch_overhead_s=draw(st.sampled_from([0.0, 1.0])),
-                     overlap=draw(st.booleans()))
+                     overlap=draw(st.booleans()), carry=draw(st.booleans()))
 
 
 @settings(max_examples=300)
@@ -74,7 +74,8 @@ def test_search_bounds_hold_for_every_completion(table, data):
             resident = frozenset(used) - streamed - set(extra)
             for depth in range(3):
                 time_s = predict(table, Choice(resident, depth)).time_s
-                assert predict(table, Choice(resident, depth + 1)).time_s <= time_s + 1e-9
+                if not table.carry:  # wrap-around: a deeper carry can land after the last compute, uncovered
+                    assert predict(table, Choice(resident, depth + 1)).time_s <= time_s + 1e-9
                 if table.overlap:
                     assert _overlap_bound(table, streamed) <= time_s + 1e-9
                 else:

@@ -54,6 +54,9 @@ class Plain(nn.Module):
     ({"strategy": "budget"}, "needs offload_gb"),
     ({"device": "cuda:7"}, "device='cuda:7'"),
     ({"device": "nonsense"}, "device='nonsense' is not a device torch knows"),
+    ({"prefetch_next_call": True, "prefetch": 0}, "prefetch_next_call=True needs prefetch >= 1"),
+    ({"prefetch_next_call": True, "strategy": "alternating"}, "prefetch_next_call does not apply to strategy="),
+    ({"prefetch_next_call": "yes"}, "prefetch_next_call must be True or False"),
 ])
 def test_bad_policy_values_are_refused_and_nothing_is_touched(fields, message):
     model, x, expected, snapshot = _model()
@@ -92,6 +95,54 @@ def test_pinned_memory_that_cannot_be_had_falls_back_with_one_warning():
         runtime = OffloadRuntime(policy, plan_groups(model, policy))
     assert len([w for w in caught if "pinned" in str(w.message)]) == 1 and not runtime.pinned
     assert all(g.packed for g in runtime.groups)
+    _assert_whole(model, snapshot, x, expected)
+
+
+class _RecordingCudart:
+    """Stands in for torch.cuda.cudart(): records (un)registrations and whether the memory was still there."""
+
+    def __init__(self):
+        self.registered, self.unregistered = {}, []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.parametrize("release", ["remove_offload", "drop the model"])
+def test_host_buffers_are_unregistered_exactly_once_before_their_memory_is_freed(monkeypatch, release):
+    from offload_compiler.grouping import plan_groups
+    from offload_compiler.runtime import OffloadRuntime
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    model, x, expected, snapshot = _model()
+    policy = OffloadPolicy(strategy="layerwise", **CPU)
+    object.__setattr__(policy, "device", "cuda")
+    runtime = OffloadRuntime(policy, plan_groups(model, policy))
+    hosts = [b.host for g in runtime.groups for b in g.buckets if b.host is not None]
+    assert runtime.pinned and sorted(cudart.registered) == sorted(h.data_ptr() for h in hosts)
+    assert all(cudart.registered[h.data_ptr()] == h.untyped_storage().nbytes() for h in hosts)  # exact size
+    alive = [__import__("weakref").ref(h.untyped_storage()) for h in hosts]
+    del hosts
+    if release == "remove_offload":
+        runtime.unpack()
+        assert sorted(cudart.unregistered) == sorted(cudart.registered)
+    else:
+        unregistered_while_alive = []
+        real = cudart.cudaHostUnregister
+        cudart.cudaHostUnregister = lambda ptr: (unregistered_while_alive.append(all(r() is not None for r in alive)),
+                                                 real(ptr))[1]
+        del runtime, model  # nothing references the host buffers but the runtime's registrations now
+        gc.collect()
+        assert sorted(cudart.unregistered) == sorted(cudart.registered)
+        assert unregistered_while_alive and all(unregistered_while_alive)  # never after the memory is freed
+        assert all(r() is None for r in alive)  # ... and then the memory is freed
+        return
+    assert len(cudart.unregistered) == len(set(cudart.unregistered))
     _assert_whole(model, snapshot, x, expected)
 
 

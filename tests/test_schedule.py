@@ -73,3 +73,42 @@ def test_weight_used_at_both_ends_is_fetched_twice_and_one_read_everywhere_once(
     s = build_schedule(uses, 1, max_runs=2)
     assert [i.group for i in s.instances].count(9) == 1
     assert next(i for i in s.instances if i.group == 9).end == 7
+
+
+@given(use_sequences, st.integers(1, 3), st.integers(1, 3))
+def test_carried_copies_are_the_first_prefetches_and_wait_for_their_group(seq, prefetch, max_runs):
+    schedule = build_schedule(_uses(seq), prefetch, max_runs, carry=True)
+    plain = build_schedule(_uses(seq), prefetch, max_runs)
+    instances, n = schedule.instances, len(schedule.instances)
+    assert schedule.instances == plain.instances and schedule.prefetch_at == plain.prefetch_at
+    carried = [i for i, _ in schedule.carry_at]
+    assert carried == [i.index for i in instances[:prefetch] if plain.prefetch_at[i.index] == 0][:len(carried)]
+    assert carried and carried[0] == 0  # the first fetch of a call always comes from the previous call
+    points = [at for _, at in schedule.carry_at]
+    assert points == sorted(points) and points[0] >= schedule.prefetch_at[-1]
+    for index, at in schedule.carry_at:
+        group = instances[index].group
+        last_end = max(i.end for i in instances if i.group == group)
+        assert at == n or instances[at].start > last_end  # never two copies of one group on the device
+        assert at >= n - prefetch + index  # no earlier than where the next call's instance would be prefetched
+
+
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.integers(1, 3))
+def test_carried_linear_chain_peak_is_the_largest_cyclic_window(sizes, prefetch):
+    """Calls repeated back to back are one cyclic sequence: with wrap-around, prefetch + 1 consecutive groups
+    are alive at once, counted around the end of the call."""
+    uses = [Use(g, 2 * g, 2 * g + 1, key=g) for g in range(len(sizes))]
+    schedule = build_schedule(uses, prefetch, carry=True)
+    window = min(prefetch + 1, len(sizes))
+    cyclic = sizes + sizes
+    expected = max(sum(cyclic[i:i + window]) for i in range(len(sizes)))
+    assert peak_bytes(schedule, dict(enumerate(sizes))) == expected
+    n = len(sizes)
+    assert schedule.carry_at == tuple((i, max(n - prefetch + i, i + 1)) for i in range(min(prefetch, n)))
+
+
+def test_tied_embedding_is_carried_after_the_head_is_gone():
+    uses = [Use(9, 0, 0, "emb"), Use(0, 1, 1, "b0"), Use(1, 2, 2, "b1"), Use(9, 3, 3, "head")]
+    s = build_schedule(uses, 1, carry=True)
+    assert s.carry_at == ((0, 4),)  # after the last node: the head's copy of the same group is evicted first
+    assert peak_bytes(s, {9: 100, 0: 10, 1: 1}) == 110

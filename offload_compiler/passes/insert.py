@@ -19,6 +19,7 @@ from .analysis import Reads, WeightInput, _value
 from .schedule import Schedule
 
 OPS = torch.ops.offload_compiler
+FETCH, ADOPT, CARRY = 0, 1, 2  # prefetch modes: copy now; use the copy the previous call carried, else copy; carry
 Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per slot (bucket, shape, offset)
 
 
@@ -26,6 +27,7 @@ Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per slot 
 class Rewritten:
     graph_module: fx.GraphModule
     num_outputs: int  # outputs of the original graph; the rest are tokens and resident buffers
+    carry_keys: frozenset[int] = frozenset()  # fetch keys whose copies this graph prefetches for its next call
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -75,6 +77,10 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
         evicts_at.setdefault(inst.end, []).append(inst)
 
     keys = {inst.index: fetch_key() for inst in schedule.instances}
+    carried = schedule.carried
+    carry_of: dict[int, list[int]] = {}
+    for index, at in schedule.carry_at:
+        carry_of.setdefault(at, []).append(index)
     last_prefetch: fx.Node | None = None
     evicts_since: list[fx.Node] = []  # since the last prefetch
     evicts_since_wait: list[fx.Node] = []
@@ -90,6 +96,14 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
                                                        n_buckets[group], runtime_id, dtensors)
             resident_buffers.extend(items)
 
+    def emit_prefetch(inst, mode: int) -> None:
+        nonlocal last_prefetch, evicts_since
+        deps = ([last_prefetch] if last_prefetch is not None else []) + evicts_since
+        last_prefetch = graph.call_function(OPS.prefetch.default,
+                                            (runtime_id, inst.group, keys[inst.index], deps, mode))
+        tokens.append(last_prefetch)
+        evicts_since = []
+
     def weight_arg(user: fx.Node, arg: fx.Node) -> fx.Node:
         w = weights[arg]
         if w.group in resident_views:
@@ -103,11 +117,9 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             emitted_resident = True
         for inst in waits_at.get(position, []):
             for ahead in prefetch_of.get(inst.index, []):
-                deps = ([last_prefetch] if last_prefetch is not None else []) + evicts_since
-                last_prefetch = graph.call_function(
-                    OPS.prefetch.default, (runtime_id, ahead.group, keys[ahead.index], deps))
-                tokens.append(last_prefetch)
-                evicts_since = []
+                emit_prefetch(ahead, ADOPT if ahead.index in carried else FETCH)
+            for index in carry_of.get(inst.index, []):
+                emit_prefetch(schedule.instances[index], CARRY)
             # the evicts before this wait too: with no prefetch after them, nothing else would order them
             buffers = graph.call_function(OPS.wait.default, (runtime_id, inst.group, keys[inst.index],
                                                              [last_prefetch] + evicts_since_wait))
@@ -115,6 +127,8 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             fetched[inst.index] = _slot_views(graph, buffers, inst.group, slots_in_graph[inst.group], layout,
                                               n_buckets[inst.group], runtime_id, dtensors)
         if node.op == "output":
+            for index in carry_of.get(len(schedule.instances), []):
+                emit_prefetch(schedule.instances[index], CARRY)
             break
         env[node] = graph.node_copy(
             node, lambda arg: weight_arg(node, arg) if arg in weights else env[arg])
@@ -142,4 +156,4 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     graph.output(tuple(outputs + extras))
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
-    return Rewritten(new_gm, len(outputs) if is_seq else -1)
+    return Rewritten(new_gm, len(outputs) if is_seq else -1, frozenset(keys[i] for i in carried))

@@ -4,6 +4,11 @@ A *use* of a group is one node that reads its weights directly, spanning from th
 that reads them through views. Uses of a group that follow each other with no other group's use between
 form a *run*; each run is one *fetch instance* (fetched, used, evicted). A group used in more than
 ``max_runs`` separated runs (a weight read in every block) is fetched once for its whole span instead.
+
+With ``carry`` (prefetch wrap-around), the instances a call would prefetch at its very start are instead
+prefetched near the end of the previous call, where the next call's instances would be prefetched if the
+calls were one long sequence: their copies overlap the last groups' compute, and they stay on the device
+between calls (the graph's initial live bytes).
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ class Schedule:
     instances: tuple[Instance, ...]
     prefetch_at: tuple[int, ...]  # instance i is prefetched just before the wait of instance prefetch_at[i]
     prefetch: int
+    # (instance, at): the instance's copy for the next call is prefetched before the wait of instance `at`,
+    # or after the graph's last node when `at` is the number of instances
+    carry_at: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def carried(self) -> frozenset[int]:
+        return frozenset(i for i, _ in self.carry_at)
 
     def instance_of(self) -> dict[object, Instance]:
         return {use.key: inst for inst in self.instances for use in inst.uses}
@@ -54,8 +66,9 @@ def _runs(uses: list[Use]) -> dict[int, list[list[Use]]]:
     return runs
 
 
-def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2) -> Schedule:
-    """Fetch instances ordered by first use; instance i is prefetched at the wait of instance i - prefetch."""
+def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2, carry: bool = False) -> Schedule:
+    """Fetch instances ordered by first use; instance i is prefetched at the wait of instance i - prefetch;
+    with ``carry``, the first ones are prefetched for the next call at the end of this one."""
     spans = []
     for group, group_runs in _runs(uses).items():
         if len(group_runs) > max_runs:
@@ -64,7 +77,8 @@ def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2) -> Schedul
             spans.append((min(u.start for u in run), group, max(u.end for u in run), tuple(run)))
     spans.sort(key=lambda s: (s[0], s[1]))
     instances = tuple(Instance(i, group, start, end, run) for i, (start, group, end, run) in enumerate(spans))
-    return Schedule(instances, _prefetch_points(instances, prefetch), prefetch)
+    points = _prefetch_points(instances, prefetch)
+    return Schedule(instances, points, prefetch, _carry_points(instances, points, prefetch) if carry else ())
 
 
 def _prefetch_points(instances: tuple[Instance, ...], prefetch: int) -> tuple[int, ...]:
@@ -83,13 +97,40 @@ def _prefetch_points(instances: tuple[Instance, ...], prefetch: int) -> tuple[in
     return tuple(points)
 
 
+def _carry_points(instances: tuple[Instance, ...], points: tuple[int, ...], prefetch: int
+                  ) -> tuple[tuple[int, int], ...]:
+    """Where the next call's first instances (those prefetched at the very start) are prefetched in this call:
+    instance i at the wait of instance n - prefetch + i, as if calls were one sequence, but after this call's
+    last copy of its group is gone, after every other prefetch, and in order."""
+    n = len(instances)
+    last_end: dict[int, int] = {}
+    for inst in instances:
+        last_end[inst.group] = inst.end
+    carry: list[tuple[int, int]] = []
+    at = points[-1] if points else 0
+    for inst in instances[:prefetch]:
+        if points[inst.index] != 0:
+            break
+        at = max(at, n - prefetch + inst.index)
+        while at < n and instances[at].start <= last_end[inst.group]:
+            at += 1
+        carry.append((inst.index, at))
+    return tuple(carry)
+
+
 def peak_bytes(schedule: Schedule, nbytes: dict[int, int]) -> int:
-    """Peak of streamed bytes alive at once when prefetches, waits and evicts run in schedule order."""
-    events: list[tuple[int, int, int]] = []  # (position, order within position, delta)
+    """Peak of streamed bytes alive at once when prefetches, waits and evicts run in schedule order; carried
+    copies are alive from the start (fetched by the previous call) and again from their carry point."""
+    events: list[tuple[float, int, int]] = []  # (position, order within position, delta)
+    carried = schedule.carried
     for inst in schedule.instances:
-        events.append((schedule.instances[schedule.prefetch_at[inst.index]].start, 0, nbytes[inst.group]))
+        if inst.index not in carried:
+            events.append((schedule.instances[schedule.prefetch_at[inst.index]].start, 0, nbytes[inst.group]))
         events.append((inst.end, 1, -nbytes[inst.group]))
-    live = peak = 0
+    for index, at in schedule.carry_at:
+        position = schedule.instances[at].start if at < len(schedule.instances) else float("inf")
+        events.append((position, 0, nbytes[schedule.instances[index].group]))
+    live = peak = sum(nbytes[schedule.instances[i].group] for i in carried)
     for _, _, delta in sorted(events):
         live += delta
         peak = max(peak, live)

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from .analysis import WeightInput, _storage, _value, readers
+from .insert import ADOPT, CARRY
 
 OPS = torch.ops.offload_compiler
 
@@ -24,6 +25,7 @@ class Verified:
     streamed_peak_bytes: int
     resident_bytes: int
     fetches: int
+    carried_bytes: int = 0  # prefetched for the next call: on the device between calls
 
     @property
     def peak_bytes(self) -> int:
@@ -80,14 +82,21 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
             if reader not in ordered:
                 raise ScheduleError(f"the evict of {placeholder.name} does not depend on {reader.format_node()}")
 
-    live = peak = resident = fetches = 0
+    prefetches = [n for n in nodes if n.target is OPS.prefetch.default]
+    mode = lambda n: n.args[4] if len(n.args) > 4 else 0  # noqa: E731
+    carried = sum(group_bytes[n.args[1]] for n in prefetches if mode(n) == CARRY)
+    if carried != sum(group_bytes[n.args[1]] for n in prefetches if mode(n) == ADOPT):
+        raise ScheduleError("the copies this graph carries to its next call are not the ones it starts with")
+    live = peak = carried  # in steady state the previous call's carried copies are alive at the start
+    resident = fetches = 0
     for node in nodes:
         if node.target is OPS.prefetch.default:
-            live += group_bytes[node.args[1]]
-            fetches += 1
+            if mode(node) != ADOPT:
+                live += group_bytes[node.args[1]]
+                fetches += 1
             peak = max(peak, live)
         elif node.target is OPS.evict.default and not (len(node.args) > 5 and node.args[5]):  # parked stays
             live -= group_bytes[node.args[1]]
         elif node.target is OPS.resident.default:
             resident += group_bytes[node.args[1]]
-    return Verified(peak, resident, fetches)
+    return Verified(peak, resident, fetches, carried)
