@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--plots", metavar="DIR", help="strategy auto: save timeline.png and residency.png")
         p.add_argument("--calls", type=int, default=2, help="calls to run (auto times calls 3 to 5 for the plan)")
         p.add_argument("--prefetch", type=int)
+        p.add_argument("--prefetch-next-call", action="store_true", default=None,
+                       help="the last groups of a call prefetch the first groups of the next call")
         p.add_argument("--blocks-per-group", type=int)
         p.add_argument("--compiler", choices=["eager", "inductor"])
         p.add_argument("--cpu-offload-enabled", action="store_true", default=None)
@@ -94,7 +96,7 @@ def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
                  "cpu_offload_pin_memory", "enable_cpu_offload", "enable_layerwise_offload"):
         if getattr(args, flag) is not None:
             engine[flag] = getattr(args, flag)
-    for flag in ("device", "prefetch", "blocks_per_group", "compiler"):
+    for flag in ("device", "prefetch", "prefetch_next_call", "blocks_per_group", "compiler"):
         if getattr(args, flag) is not None:
             engine[flag] = getattr(args, flag)
     if args.device_budget_gb is not None or args.strategy == "auto":
@@ -102,7 +104,8 @@ def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
         auto = {"strategy": "auto", "device_budget_gb": budget if budget == "free" else float(budget)}
         if args.budget_margin_gb is not None:
             auto["budget_margin_gb"] = args.budget_margin_gb
-        return OffloadPolicy(**{k: v for k, v in engine.items() if k in ("device", "compiler")}, **auto)
+        return OffloadPolicy(**{k: v for k, v in engine.items() if k in ("device", "compiler", "prefetch_next_call")},
+                             **auto)
     if args.strategy is not None:
         policy = policy_from_engine_args({k: v for k, v in engine.items() if k not in (
             "cpu_offload_enabled", "enable_cpu_offload", "enable_layerwise_offload")})

@@ -97,6 +97,14 @@ def test_cli_stage_config_and_json(capsys):
     assert report["policy"]["strategy"] == "alternating" and list(report["policy"]["components"]) == ["visual"]
 
 
+def test_cli_prefetch_next_call(capsys):
+    code = main(["run", "--model", "llama", "--device", "cpu", "--strategy", "layerwise", "--prefetch-next-call",
+                 "--calls", "3", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["equivalence"]["equal"] and report["policy"]["prefetch_next_call"]
+    assert report["stats"]["carry_hits"] == 1 and report["stats"]["carried_bytes"] > 0  # the measured call
+
+
 def test_cli_bad_component_is_a_clear_exit():
     with pytest.raises(SystemExit, match="unknown component 'vision'"):
         main(["plan", "--model", "multistage:omni", "--device", "cpu", "--cpu-offload-enabled",

@@ -48,3 +48,27 @@ def test_prefetch_runs_on_a_copy_stream():
     m(**kwargs)
     assert m._offload_runtime._copy_stream is not None
     assert m._offload_runtime._copy_stream != torch.cuda.current_stream()
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_prefetch_next_call_on_cuda_is_exact_and_carries_the_first_group(compiler):
+    model, kwargs = _model()
+    plain = __import__("copy").deepcopy(model).cuda()
+    with torch.no_grad():
+        expected = plain(**kwargs).logits
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cuda", prefetch=1, compiler=compiler,
+                                             prefetch_next_call=True))
+    m(**kwargs)
+    for _ in range(3):
+        torch.cuda.synchronize()
+        before = offload_stats(m).carry_hits
+        out = m(**kwargs).logits
+        torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+        assert offload_stats(m).carry_hits == before + 1
+    stats = offload_stats(m)
+    assert stats.carried_bytes > 0 and stats.live_device_bytes == stats.carried_bytes
+    allocated = torch.cuda.memory_allocated()
+    from offload_compiler import release_device_copies
+    assert release_device_copies(m) == stats.carried_bytes
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= allocated - stats.carried_bytes  # the device memory really went back
