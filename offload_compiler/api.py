@@ -16,63 +16,52 @@ from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
 RECOMPILE_LIMIT = 4096
+OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back, or it was offloaded again; call the "
+                 "module remove_offload or the latest offload_compile returned")
 
 
 class OffloadedModule(nn.Module):
     """The model, run through its rewritten graph(s). Parameters, buffers and ``state_dict`` are the
-    original model's (host masters); inference only (the forward runs under ``torch.no_grad``)."""
+    original model's (host masters); inference only (the forward runs under ``torch.no_grad``).
+
+    The model's own ``forward`` is replaced too, so whatever calls the model itself — ``generate()``, a
+    pipeline holding the original object — runs offloaded as well."""
 
     def __init__(self, model: nn.Module, policy: OffloadPolicy, runtime: OffloadRuntime) -> None:
         super().__init__()
         self._orig_mod = model
         object.__setattr__(self, "_offload_runtime", runtime)
-        object.__setattr__(self, "_warned_inputs", False)
-        object.__setattr__(self, "_compiled", torch.compile(
-            model, backend=RuntimeBackend(runtime), fullgraph=policy.fullgraph))
+        model.forward = _OffloadedForward(model, runtime, root=True)
 
     @property
     def offload_policy(self) -> OffloadPolicy:
         return self._offload_runtime.policy
 
+    @property
+    def device(self) -> torch.device:
+        """The compute device (the weights' home is host memory)."""
+        return self._offload_runtime.device
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._offload_runtime
-        if runtime.closed:
-            raise RuntimeError("remove_offload() gave this model back; call the module it returned, "
-                               "or offload_compile it again")
-        args, kwargs = self._inputs_on_device(args, kwargs)
-        calls = runtime.graph_calls
-        # every offloaded model of one class is a cache entry of the same code object in dynamo
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                                         accumulated_recompile_limit=RECOMPILE_LIMIT):
-            out = self._compiled(*args, **kwargs)
-        if runtime.graph_calls == calls:
-            raise RuntimeError(
-                f"{runtime.model_name} ran without its offloaded graph: torch.compile fell back to plain eager "
-                f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a loop "
-                f"or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
-        return out
+        if self._offload_runtime.closed:
+            raise RuntimeError(OFFLOAD_ENDED)
+        return self._orig_mod(*args, **kwargs)
 
-    def _inputs_on_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Tensor inputs elsewhere than the compute device are moved there (warned once); data-less
-        (meta) inputs are refused."""
-        device = self._offload_runtime.device
-        moved = []
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The original model's names (as in its ``state_dict``), not ``_orig_mod.``-prefixed ones."""
+        return self._orig_mod.named_parameters(prefix, recurse, remove_duplicate)
 
-        def place(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor) or value.device == device:
-                return value
-            if value.is_meta:
-                raise ValueError(f"an input is on the meta device, so it has no data to compute on; pass real "
-                                 f"tensors (on {device})")
-            moved.append(str(value.device))
-            return value.to(device)
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._orig_mod.named_buffers(prefix, recurse, remove_duplicate)
 
-        args, kwargs = pytree.tree_map(place, (args, kwargs))
-        if moved and not self._warned_inputs:
-            object.__setattr__(self, "_warned_inputs", True)
-            warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
-                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=3)
-        return args, kwargs
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError("an offloaded module cannot be copied (its weights live in shared host buffers): copy the "
+                        "model first and offload the copy, offload_compile(copy.deepcopy(remove_offload(m)), policy), "
+                        "or save m.state_dict()")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError("an offloaded module cannot be pickled or torch.save()d: save m.state_dict() (the original "
+                        "parameter names), or the model returned by remove_offload(m)")
 
     def to(self, *args: Any, **kwargs: Any) -> "OffloadedModule":
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -136,6 +125,11 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
         policy = policy.replace(**fields)
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"policy must be an OffloadPolicy; got {type(policy).__name__}")
+    if isinstance(model, OffloadedModule):
+        raise ValueError(f"this is already an offloaded module ({type(model._orig_mod).__name__}); to change its "
+                         f"policy, offload the original again: offload_compile(remove_offload(m), policy)")
+    if runtime_of(model) is not None:  # offloaded before (a retry with a fixed policy): the old offload ends
+        remove_offload(model)
     if policy.strategy == "auto":  # the planner needs the graph, so it plans at the first call
         from .auto import AutoOffloadedModule
         return AutoOffloadedModule(model, policy)
@@ -155,8 +149,7 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
 
 
 def _offload_component_calls(model: nn.Module, runtime: OffloadRuntime) -> None:
-    """Components are often called on their own, from Python (a thinker's output feeds a talker, a pipeline
-    calls its text encoder): each component's forward becomes a graph of its own on the shared runtime."""
+    """Each component's forward becomes a graph of its own on the shared runtime."""
     for group in runtime.groups:
         if group.name in ("", "(root)"):
             continue
@@ -168,10 +161,14 @@ def _offload_component_calls(model: nn.Module, runtime: OffloadRuntime) -> None:
 
 
 class _OffloadedForward:
-    """A component's forward, compiled with the model's offload backend; refuses to run un-offloaded."""
+    """A module's forward, compiled with the model's offload backend; refuses to run un-offloaded. Installed
+    on the model itself (``root``) and on each component, which are often called on their own from Python (a
+    thinker's output feeds a talker, a pipeline calls its text encoder)."""
 
-    def __init__(self, module: nn.Module, runtime: OffloadRuntime) -> None:
+    def __init__(self, module: nn.Module, runtime: OffloadRuntime, root: bool = False) -> None:
         self._runtime = runtime
+        self._root = root
+        self._warned_inputs = False
         self._forward = type(module).forward.__get__(module)
         self._compiled = torch.compile(self._forward, backend=RuntimeBackend(runtime),
                                        fullgraph=runtime.policy.fullgraph)
@@ -179,13 +176,68 @@ class _OffloadedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # inside an enclosing offloaded graph: trace through
             return self._forward(*args, **kwargs)
-        calls = self._runtime.graph_calls
+        runtime = self._runtime
+        if runtime.closed:
+            raise RuntimeError(OFFLOAD_ENDED)
+        args, kwargs = self._inputs_on_device(args, kwargs)
+        calls = runtime.graph_calls
+        # every offloaded model of one class is a cache entry of the same code object in dynamo
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
                                                          accumulated_recompile_limit=RECOMPILE_LIMIT):
-            out = self._compiled(*args, **kwargs)
-        if self._runtime.graph_calls == calls and any(g.streamed for g in self._runtime.groups):
-            raise RuntimeError("a component ran without its offloaded graph (dynamo fell back to eager)")
+            try:
+                out = self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchRuntimeError as exc:
+                model_error = _model_error(exc)
+                if model_error is None:
+                    raise
+                model_error.add_note(f"(raised while tracing the offloaded model with fake tensors: {exc.args[0]})"
+                                     if exc.args else "(raised while tracing the offloaded model)")
+                raise model_error from None  # the model's own error (bad shapes), not dynamo's report of it
+        if runtime.graph_calls == calls and (self._root or any(g.streamed for g in runtime.groups)):
+            raise RuntimeError(
+                f"{runtime.model_name} ran without its offloaded graph: torch.compile fell back to plain eager "
+                f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a loop "
+                f"or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
         return out
+
+    def _inputs_on_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Tensor inputs elsewhere than the compute device are moved there (warned once); data-less (meta)
+        inputs are refused, and so are inputs that require grad (inference only)."""
+        device = self._runtime.device
+        moved = []
+
+        def place(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if value.requires_grad and torch.is_grad_enabled():
+                raise ValueError("an input requires grad, but an offloaded model runs inference only (no backward "
+                                 "through the transfers): pass inputs.detach(), or train the model un-offloaded")
+            if value.device == device:
+                return value
+            if value.is_meta:
+                raise ValueError(f"an input is on the meta device, so it has no data to compute on; pass real "
+                                 f"tensors (on {device})")
+            moved.append(str(value.device))
+            return value.to(device)
+
+        args, kwargs = pytree.tree_map(place, (args, kwargs))
+        if moved and not self._warned_inputs:
+            self._warned_inputs = True
+            warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
+                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=4)
+        return args, kwargs
+
+
+def _model_error(exc: BaseException) -> BaseException | None:
+    """The error the model's code raised while dynamo traced it (with fake tensors), under dynamo's wrappers."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if not isinstance(exc, torch._dynamo.exc.TorchDynamoException) and isinstance(
+                exc, (RuntimeError, ValueError, TypeError, IndexError)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _runtime(module: Any) -> OffloadRuntime:

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import backend
-from .api import OffloadedModule
+from .api import RECOMPILE_LIMIT, OffloadedModule, _OffloadedForward
 from .costmodel import DeviceRates, build_table, device_rates
 from .grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
@@ -70,8 +70,9 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Graph
             raise _Captured()
         return abort
 
-    try:
-        with torch.no_grad():
+    try:  # one cache entry per model of a class, as for the offloaded graphs (api.RECOMPILE_LIMIT)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                                         accumulated_recompile_limit=RECOMPILE_LIMIT):
             torch.compile(model, backend=recorder, fullgraph=True)(*args, **kwargs)
     except _Captured:
         pass
@@ -244,7 +245,6 @@ class AutoOffloadedModule(OffloadedModule):
         object.__setattr__(self, "_offload_runtime", None)
         object.__setattr__(self, "_offload_plan", None)
         object.__setattr__(self, "_calls", 0)
-        object.__setattr__(self, "_warned_inputs", False)
 
     @property
     def offload_policy(self) -> OffloadPolicy:
@@ -265,8 +265,7 @@ class AutoOffloadedModule(OffloadedModule):
         runtime = OffloadRuntime(concrete, planned_specs(model, policy, plan), type(model).__name__)
         backend._MODULE_RUNTIMES[model] = runtime
         object.__setattr__(self, "_offload_runtime", runtime)
-        object.__setattr__(self, "_compiled", torch.compile(
-            model, backend=backend.RuntimeBackend(runtime), fullgraph=policy.fullgraph))
+        model.forward = _OffloadedForward(model, runtime, root=True)
         object.__setattr__(self, "_offload_plan", plan)
         return plan
 

@@ -162,11 +162,13 @@ class GraphRunner:
         return tuple(id(args[i]) for i in self._weight_positions)
 
     def _variant_for(self, args, ids: tuple, rt: OffloadRuntime) -> Variant:
-        remap = rt.remap_between([args[i] for i in self._weight_positions], self._compiled_ids)
+        passed = [args[i] for i in self._weight_positions]
+        remap = rt.remap_between(passed, self._compiled_ids)
         if remap is not None:  # the same graph over other layers' weights: it carries nothing between calls
             base = self._variants[self._compiled_ids]
             variant = Variant(base.run, base.num_outputs, remap)
         else:
+            _refuse_foreign_weights(passed, self._compiled_ids, rt)
             variant = _compile_variant(self._gm, list(args), rt)
         if len(self._variants) >= MAX_VARIANTS:  # forget the oldest, never the graph as compiled
             del self._variants[next(k for k in self._variants if k != self._compiled_ids)]
@@ -195,6 +197,21 @@ class GraphRunner:
             finally:
                 rt.group_remap = None
         return out[0] if variant.num_outputs < 0 else tuple(out[:variant.num_outputs])
+
+
+def _refuse_foreign_weights(passed: list, compiled_ids: tuple, rt: OffloadRuntime) -> None:
+    """A graph compiled over offloaded weights, called with weights this runtime does not hold: they would be
+    read from wherever they are, un-offloaded. Dynamo does this for another instance of the same class (its
+    compiled code is shared when the backend compares equal), and after a parameter was replaced."""
+    for tensor, compiled_id in zip(passed, compiled_ids):
+        if compiled_id in rt.group_of and id(tensor) not in rt.group_of:
+            name = next((s.name for g in rt.groups for s in g.slots if id(s.tensor) == compiled_id), "a weight")
+            raise RuntimeError(
+                f"{rt.model_name}'s offloaded graph was called with a weight it does not hold (in place of {name}), "
+                f"which would run un-offloaded. Either a parameter was replaced after offloading (assign "
+                f"p.data = new_tensor, or load_state_dict, instead of a new nn.Parameter), or this is another "
+                f"{rt.model_name} sharing dynamo's compiled code through torch.compile(backend='omni_offload'): use "
+                f"offload_compiler.offload_compile(model, policy) for each model, or torch._dynamo.reset() between them")
 
 
 _LOCAL = re.compile(r"^([LG])\['([^']+)'\]")

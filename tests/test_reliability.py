@@ -223,8 +223,9 @@ def test_bad_input_shape():
     model, x, expected, snapshot = _model()
     m = offload_compile(model, strategy="layerwise", **CPU)
     m(x)
-    with pytest.raises(RuntimeError, match="shape|size"):
+    with pytest.raises(RuntimeError, match="shape|size|reduction dim") as err:
         m(torch.randn(2, 6, 5))
+    assert not isinstance(err.value, torch._dynamo.exc.TorchDynamoException)  # the model's error, not dynamo's
     _after_fault(model, snapshot, m, x, expected)
 
 
@@ -293,10 +294,10 @@ def test_a_thousand_calls_do_not_grow_device_copies_or_memory():
 
 def test_two_threads_get_correct_results():
     model, x, expected, _ = _model()
+    inputs = [torch.randn_like(x) for _ in range(8)]
+    wanted = [model(i).detach() for i in inputs]  # before offloading: the model itself is offloaded after
     m = offload_compile(model, strategy="layerwise", **CPU)
     m(x)
-    inputs = [torch.randn_like(x) for _ in range(8)]
-    wanted = [model(i).detach() for i in inputs]
     errors, results = [], {}
 
     def worker(tid):
@@ -351,3 +352,75 @@ def test_a_device_budget_below_what_any_plan_needs_states_the_figure_and_touches
     _assert_whole(model, snapshot, x, expected)
     works = offload_compile(model, strategy="auto", device_budget_gb=err.value.needed_bytes / 2**30, **CPU)
     assert torch.equal(works(x), expected)
+
+
+# -- found by a new user's trial ----------------------------------------------------------------------------
+
+def test_generate_and_the_original_object_run_offloaded():
+    from offload_compiler import reset_offload_stats
+    from offload_compiler.models import llama
+    model, inputs = llama()
+    plain = __import__("copy").deepcopy(model)
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    m(**inputs)
+    reset_offload_stats(m)
+    tokens = m.generate(inputs["input_ids"], max_new_tokens=3, do_sample=False)  # HF generate calls the model
+    assert torch.equal(tokens, plain.generate(inputs["input_ids"], max_new_tokens=3, do_sample=False))
+    per_call = len(m._offload_runtime.graph_plans[0].schedule.instances)
+    assert offload_stats(m).fetch_count >= 3 * per_call  # every decoding step streamed the weights
+    reset_offload_stats(m)
+    assert torch.equal(model(**inputs).logits, plain(**inputs).logits)  # the original object is offloaded too
+    assert offload_stats(m).fetch_count == per_call
+    assert m.device == torch.device("cpu") and [n for n, _ in m.named_parameters()] == [
+        n for n, _ in plain.named_parameters()]  # the names of the model's state_dict, unprefixed
+
+
+def test_weights_the_graph_does_not_hold_are_refused_not_read_from_host():
+    model, x, expected, _ = _model()
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    m(x)
+    model.head.weight = nn.Parameter(torch.randn_like(model.head.weight))  # replaced, not updated
+    with pytest.raises(RuntimeError, match=r"does not hold \(in place of head.weight\).*p.data = new_tensor"):
+        m(x)
+    opts = {"strategy": "layerwise", "device": "cpu"}
+    a, b = _model(1)[0], _model(2)[0]
+    torch.compile(a, backend="omni_offload", options=opts)(x)
+    with pytest.raises(RuntimeError, match="offload_compile\\(model, policy\\) for each model"):
+        torch.compile(b, backend="omni_offload", options=opts)(x)  # dynamo shares a's graph with b
+
+
+def test_offloading_twice():
+    model, x, expected, snapshot = _model()
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    m(x)
+    with pytest.raises(ValueError, match="already an offloaded module.*remove_offload"):
+        offload_compile(m, strategy="sequential", **CPU)
+    again = offload_compile(model, strategy="sequential", **CPU)  # the original again: the first offload ends
+    assert torch.equal(again(x), expected) and offload_stats(again).fetch_count > 0
+    with pytest.raises(RuntimeError, match="this offload has ended"):
+        m(x)
+    _assert_whole(model, snapshot)
+
+
+def test_copy_pickle_and_grad_are_refused_with_the_alternative():
+    import copy
+    import pickle
+    model, x, expected, snapshot = _model()
+    m = offload_compile(model, strategy="layerwise", **CPU)
+    with pytest.raises(TypeError, match="copy the model first and offload the copy"):
+        copy.deepcopy(m)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(m)
+    with pytest.raises(ValueError, match="inference only.*detach"):
+        m(x.clone().requires_grad_())
+    assert torch.equal(m(x), expected)
+    _assert_whole(model, snapshot)
+
+
+def test_auto_plans_beside_many_offloaded_models_of_the_same_class():
+    models = [offload_compile(_model(i)[0], strategy="layerwise", **CPU) for i in range(9)]
+    model, x, expected, _ = _model()
+    for m in models:
+        m(x)
+    m = offload_compile(model, strategy="auto", device_budget_gb=1.0, **CPU)  # past dynamo's recompile limit (8)
+    assert torch.equal(m(x), expected)
