@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
 from typing import Any, Mapping
 
@@ -29,6 +30,20 @@ def _is_number(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    """A real number that is neither NaN nor infinite (GiB figures are turned into byte counts)."""
+    return _is_number(value) and math.isfinite(value)
+
+
+def _names(value: Any) -> tuple | None:
+    """A string as a one-name tuple, a list or tuple as a tuple, anything else None (the caller refuses it)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +127,8 @@ class OffloadPolicy:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
             set_(name, int(value))
         if self.offload_gb is not None:
-            if not _is_number(self.offload_gb) or self.offload_gb != self.offload_gb or self.offload_gb < 0:
-                raise ValueError(f"offload_gb must be a number of GiB >= 0; got {self.offload_gb!r}")
+            if not _is_finite(self.offload_gb) or self.offload_gb < 0:
+                raise ValueError(f"offload_gb must be a number of GiB >= 0 (finite); got {self.offload_gb!r}")
             set_("offload_gb", float(self.offload_gb))
         if strategy == "budget" and self.offload_gb is None:
             raise ValueError("strategy='budget' needs offload_gb: the GiB of weights to stream from host memory "
@@ -122,11 +137,11 @@ class OffloadPolicy:
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r} is unknown; choose one of {COMPILERS}")
         if self.components is not None:
-            names = (self.components,) if isinstance(self.components, str) else tuple(self.components)
-            names = tuple(n.strip() for n in names)
-            if not names or not all(isinstance(n, str) and n for n in names):
+            names = _names(self.components)
+            if not names or not all(isinstance(n, str) and n.strip() for n in names):
                 raise ValueError(f"components must be a list of component names or None (all discovered); "
                                  f"got {self.components!r}")
+            names = tuple(n.strip() for n in names)
             if strategy not in ("alternating", "sequential"):
                 raise ValueError(f"components apply to strategy 'alternating' or 'sequential', not {strategy!r}")
             set_("components", names)
@@ -134,6 +149,10 @@ class OffloadPolicy:
                      "prefetch_next_call"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if not self.keep_after_use and strategy not in COMPONENT_STRATEGIES:
+            raise ValueError(f"keep_after_use=False applies to strategy 'alternating' or 'model' (a component stays on "
+                             f"the device after its forward); strategy={strategy!r} already evicts each group after "
+                             f"its last use. Drop keep_after_use, or use strategy='alternating'")
         if self.prefetch_next_call and strategy in COMPONENT_STRATEGIES:
             raise ValueError(f"prefetch_next_call does not apply to strategy={strategy!r}: a component is alone on the "
                              f"device, and keep_after_use=True already keeps the last one for the next call")
@@ -141,7 +160,7 @@ class OffloadPolicy:
             raise ValueError("prefetch_next_call=True needs prefetch >= 1: it moves the first prefetches of a call "
                              "into the previous call")
         if self.blocks_attr is not None:
-            attrs = (self.blocks_attr,) if isinstance(self.blocks_attr, str) else tuple(self.blocks_attr)
+            attrs = _names(self.blocks_attr)
             if not attrs or not all(isinstance(a, str) and a for a in attrs):
                 raise ValueError(f"blocks_attr must be a dotted attribute path or a list of them; got {self.blocks_attr!r}")
             set_("blocks_attr", attrs if len(attrs) > 1 else attrs[0])
@@ -153,11 +172,11 @@ class OffloadPolicy:
                 raise ValueError(f"device_budget_gb must be a number of GiB > 0 or 'free'; got {budget!r}")
             object.__setattr__(self, "device_budget_gb", "free")
         elif budget is not None:
-            if not _is_number(budget) or budget != budget or budget <= 0:
-                raise ValueError(f"device_budget_gb must be a number of GiB > 0 or 'free'; got {budget!r}")
+            if not _is_finite(budget) or budget <= 0:
+                raise ValueError(f"device_budget_gb must be a number of GiB > 0 (finite) or 'free'; got {budget!r}")
             object.__setattr__(self, "device_budget_gb", float(budget))
-        if not _is_number(margin) or margin != margin or margin < 0:
-            raise ValueError(f"budget_margin_gb must be a number of GiB >= 0; got {margin!r}")
+        if not _is_finite(margin) or margin < 0:
+            raise ValueError(f"budget_margin_gb must be a number of GiB >= 0 (finite); got {margin!r}")
         object.__setattr__(self, "budget_margin_gb", float(margin))
         if strategy == "auto" and budget is None:
             raise ValueError("strategy='auto' needs device_budget_gb: the GiB of device memory the model may use "

@@ -37,6 +37,17 @@ def test_frozen():
     ({"strategy": "auto", "device_budget_gb": "most"}, ["device_budget_gb", "free"]),
     ({"strategy": "auto", "device_budget_gb": 1, "budget_margin_gb": -1}, ["budget_margin_gb", ">= 0"]),
     ({"strategy": "layerwise", "device_budget_gb": 1}, ["device_budget_gb", "strategy='auto'"]),
+    # found by a user trial: TypeError/AttributeError, or accepted and failing later (OverflowError)
+    ({"blocks_attr": 3}, ["blocks_attr", "dotted attribute path"]),
+    ({"blocks_attr": [None]}, ["blocks_attr"]),
+    ({"strategy": "alternating", "components": [1]}, ["components", "component names"]),
+    ({"strategy": "alternating", "components": 3}, ["components", "component names"]),
+    ({"strategy": "alternating", "components": [" "]}, ["components"]),
+    ({"strategy": "budget", "offload_gb": float("inf")}, ["offload_gb", "finite"]),
+    ({"strategy": "auto", "device_budget_gb": float("inf")}, ["device_budget_gb", "finite", "free"]),
+    ({"strategy": "auto", "device_budget_gb": 1, "budget_margin_gb": float("inf")}, ["budget_margin_gb", "finite"]),
+    ({"strategy": "layerwise", "keep_after_use": False}, ["keep_after_use", "'alternating'", "'model'"]),
+    ({"strategy": "sequential", "keep_after_use": False}, ["keep_after_use", "strategy='alternating'"]),
 ])
 def test_invalid_values_name_the_field_and_the_choices(fields, words):
     with pytest.raises(ValueError) as err:
@@ -55,6 +66,16 @@ def test_normalisation():
     p = OffloadPolicy(strategy=" Budget ", offload_gb=1, device="cpu", blocks_attr=["a.b"])
     assert p.strategy == "budget" and p.offload_gb == 1.0 and isinstance(p.offload_gb, float)
     assert p.offload_bytes == 2**30 and p.blocks_attr == "a.b"
+
+
+@pytest.mark.parametrize("strategy", ["alternating", "model"])
+def test_keep_after_use_false_is_accepted_where_it_applies(strategy):
+    assert OffloadPolicy(strategy=strategy, keep_after_use=False, device="cpu").keep_after_use is False
+
+
+def test_components_are_stripped():
+    assert OffloadPolicy(strategy="sequential", components=[" thinker ", "talker"], device="cpu").components == (
+        "thinker", "talker")
 
 
 def test_from_options():
