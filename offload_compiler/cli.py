@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from ._tree import tensors_of, to_device
 from .api import describe_plan, offload_compile, offload_stats, reset_offload_stats
 from .auto import offload_plan
 from .planner import InfeasibleBudgetError
-from .config import load_stage_configs, policy_from_engine_args
+from .config import load_stage_configs, policy_from_engine_args, warn_user
 from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
 
 
@@ -82,38 +83,79 @@ def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
 
 
-def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
-    engine: dict[str, Any] = {}
-    if args.stage_config:
+# seed flags that choose what is offloaded; --cpu-offload-pin-memory only says how, so the default still applies
+SELECTING_FLAGS = ("cpu_offload_enabled", "cpu_offload_components", "cpu_offload_strategy", "cpu_offload_gb",
+                   "enable_cpu_offload", "enable_layerwise_offload")
+TUNING_FLAGS = ("cpu_offload_pin_memory", "device", "prefetch", "prefetch_next_call", "blocks_per_group", "compiler")
+
+
+def _stage_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The chosen stage's engine args; what they ignore is warned once, when they are read with the flags."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
         stages = load_stage_configs(args.stage_config)
-        if args.stage is None and len(stages) > 1:
-            raise SystemExit(f"{args.stage_config} has stages {[s.stage_id for s in stages]}: choose one with --stage")
-        chosen = [s for s in stages if args.stage is None or s.stage_id == args.stage]
-        if not chosen:
-            raise SystemExit(f"{args.stage_config} has no stage {args.stage}; stages: {[s.stage_id for s in stages]}")
-        engine.update({k: v for k, v in chosen[0].engine_args.items() if k not in ("model_stage", "model_arch")})
-    for flag in ("cpu_offload_enabled", "cpu_offload_components", "cpu_offload_strategy", "cpu_offload_gb",
-                 "cpu_offload_pin_memory", "enable_cpu_offload", "enable_layerwise_offload"):
-        if getattr(args, flag) is not None:
-            engine[flag] = getattr(args, flag)
-    for flag in ("device", "prefetch", "prefetch_next_call", "blocks_per_group", "compiler"):
-        if getattr(args, flag) is not None:
-            engine[flag] = getattr(args, flag)
+    if args.stage is None and len(stages) > 1:
+        raise SystemExit(f"{args.stage_config} has stages {[s.stage_id for s in stages]}: choose one with --stage")
+    chosen = [s for s in stages if args.stage is None or s.stage_id == args.stage]
+    if not chosen:
+        raise SystemExit(f"{args.stage_config} has no stage {args.stage}; stages: {[s.stage_id for s in stages]}")
+    return {k: v for k, v in chosen[0].engine_args.items() if k not in ("model_stage", "model_arch")}
+
+
+def _auto_policy(args: argparse.Namespace, engine: dict[str, Any]) -> OffloadPolicy:
+    budget = args.device_budget_gb or "free"
+    auto = {"strategy": "auto", "device_budget_gb": budget if budget == "free" else float(budget)}
+    if args.budget_margin_gb is not None:
+        auto["budget_margin_gb"] = args.budget_margin_gb
+    return OffloadPolicy(**{k: v for k, v in engine.items() if k in ("device", "compiler", "prefetch_next_call")},
+                         **auto)
+
+
+def _agrees(key: str, value: Any, strategy: str, reads: tuple[str, ...]) -> bool:
+    """Whether a seed key given with ``--strategy`` is read by that strategy or says the same thing."""
+    if key in reads:
+        return True
+    if key == "cpu_offload_enabled":
+        return "cpu_offload_components" in reads
+    if key in ("cpu_offload_strategy", "strategy"):
+        return str(value).strip().lower() == strategy
+    return False
+
+
+def _strategy_engine_args(strategy: str, engine: dict[str, Any]) -> dict[str, Any]:
+    """Engine args for ``--strategy``: the strategy wins over the seed keys that select one (each warned about),
+    and keeps what it reads (``cpu_offload_components`` for alternating/sequential, ``cpu_offload_gb`` for
+    budget)."""
+    reads = {"alternating": ("cpu_offload_components",), "sequential": ("cpu_offload_components",),
+             "budget": ("cpu_offload_gb",)}.get(strategy, ())
+    for key in SELECTING_FLAGS + ("strategy",):
+        if engine.get(key) not in (None, False) and not _agrees(key, engine[key], strategy, reads):
+            warn_user(f"{key} is ignored: --strategy {strategy} wins")
+    kept = {k: v for k, v in engine.items() if k not in SELECTING_FLAGS + ("strategy",) or k in reads}
+    if "cpu_offload_components" in reads:
+        return {**kept, "cpu_offload_enabled": True, "cpu_offload_strategy": strategy}
+    if strategy == "budget" and not kept.get("cpu_offload_gb"):
+        raise ValueError("--strategy budget needs --cpu-offload-gb GiB > 0 (or cpu_offload_gb in the stage config): "
+                         "the GiB of weights to stream from host memory")
+    return kept if strategy == "budget" else {**kept, "strategy": strategy}
+
+
+def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
+    """The policy the command line asks for: ``--device-budget-gb``/``--strategy auto``, else ``--strategy``, else
+    the stage config's stage with the seed flags on top; layerwise when none of them says anything about what to
+    offload."""
+    engine = _stage_engine_args(args) if args.stage_config else {}
+    selecting = {flag: getattr(args, flag) for flag in SELECTING_FLAGS if getattr(args, flag) is not None}
+    engine.update(selecting)
+    engine.update({flag: getattr(args, flag) for flag in TUNING_FLAGS if getattr(args, flag) is not None})
     if args.device_budget_gb is not None or args.strategy == "auto":
-        budget = args.device_budget_gb or "free"
-        auto = {"strategy": "auto", "device_budget_gb": budget if budget == "free" else float(budget)}
-        if args.budget_margin_gb is not None:
-            auto["budget_margin_gb"] = args.budget_margin_gb
-        return OffloadPolicy(**{k: v for k, v in engine.items() if k in ("device", "compiler", "prefetch_next_call")},
-                             **auto)
+        return _auto_policy(args, engine)
+    where = f"--stage-config {args.stage_config} with the flags" if args.stage_config else "command line"
     if args.strategy is not None:
-        policy = policy_from_engine_args({k: v for k, v in engine.items() if k not in (
-            "cpu_offload_enabled", "enable_cpu_offload", "enable_layerwise_offload")})
-        return policy.replace(strategy=args.strategy)
-    if not any(engine.get(k) for k in ("cpu_offload_enabled", "enable_cpu_offload", "enable_layerwise_offload",
-                                       "cpu_offload_gb")):
+        return policy_from_engine_args(_strategy_engine_args(args.strategy, engine), where)
+    if not args.stage_config and not selecting:
         engine["enable_layerwise_offload"] = True  # the default job: layerwise
-    return policy_from_engine_args(engine)
+    return policy_from_engine_args(engine, where)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,6 +18,7 @@ OFFLOAD_ARGS = {
     "enable_cpu_offload", "enable_layerwise_offload", "cpu_offload_gb",
 }
 POLICY_FIELDS = {f.name for f in dataclasses.fields(OffloadPolicy)}
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # engine arguments that are not about offloading: accepted and carried, never interpreted here
 ENGINE_ARGS = {
     "model", "model_stage", "model_arch", "dtype", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
@@ -54,37 +57,79 @@ def check_keys(args: Mapping[str, Any], where: str = "engine args") -> None:
             raise ValueError(f"unknown key {key!r} in {where}{hint}")
 
 
+SELECTORS = ("enable_layerwise_offload", "enable_cpu_offload", "cpu_offload_enabled", "cpu_offload_gb")  # precedence
+PRECEDENCE = " > ".join(SELECTORS)
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn with the location of the first caller outside this package (the user's code), however many of our
+    functions the call went through."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _on(args: Mapping[str, Any], key: str) -> bool:
+    if key == "cpu_offload_gb":
+        return bool(args.get(key))
+    return _bool(key, args.get(key, False))
+
+
+def _selected(args: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(strategy, the key that selects it) by the seed precedence; (None, None) when no key selects one."""
+    winner = next((key for key in SELECTORS if _on(args, key)), None)
+    if winner != "cpu_offload_enabled":
+        return {"enable_layerwise_offload": "layerwise", "enable_cpu_offload": "model",
+                "cpu_offload_gb": "budget"}.get(winner), winner
+    strategy = str(args.get("cpu_offload_strategy", "alternating")).strip().lower()
+    if strategy not in ("alternating", "sequential"):
+        raise ValueError(f"cpu_offload_strategy={strategy!r} is unknown; choose 'alternating' or 'sequential'")
+    return strategy, winner
+
+
+def _ignored(args: Mapping[str, Any], strategy: str | None, winner: str | None) -> list[tuple[str, str]]:
+    """(key, why) for each offload key set in ``args`` that has no effect once ``winner`` selected ``strategy``."""
+    found = []
+    given = str(args.get("strategy", "")).strip().lower()
+    if winner is not None and given and given != strategy:
+        found.append(("strategy", f"{winner} selects strategy {strategy!r}; remove one of them"))
+    if winner is not None:
+        # enable_cpu_offload loses only to enable_layerwise_offload, which has the seed guide's own warning
+        found += [(key, f"{winner} wins ({PRECEDENCE}); remove one of them")
+                  for key in SELECTORS[SELECTORS.index(winner) + 1:] if key != "enable_cpu_offload" and _on(args, key)]
+    if winner != "cpu_offload_enabled":
+        why = (f"{winner} wins ({PRECEDENCE})" if winner in SELECTORS[:2]
+               else "cpu_offload_enabled is not true; set cpu_offload_enabled: true to offload components")
+        found += [(key, why) for key in ("cpu_offload_components", "cpu_offload_strategy") if args.get(key) is not None]
+    return found
+
+
 def policy_from_engine_args(args: Mapping[str, Any], where: str = "engine args") -> OffloadPolicy:
     """The policy the seed engine args ask for. Precedence: ``enable_layerwise_offload`` (layerwise) over
-    ``enable_cpu_offload`` (diffusion model-level, warned when both are set) over ``cpu_offload_enabled``
-    (component offload with ``cpu_offload_strategy``) over ``cpu_offload_gb`` > 0 (budget); none of them
-    means strategy ``none``. OffloadPolicy field names (``device``, ``prefetch``, ...) pass through."""
+    ``enable_cpu_offload`` (diffusion model-level) over ``cpu_offload_enabled`` (component offload with
+    ``cpu_offload_strategy``) over ``cpu_offload_gb`` > 0 (budget); none of them means strategy ``none``, or the
+    ``strategy`` field when given. Each key that has no effect (an explicit ``strategy`` that a key above
+    overrides included) is a UserWarning naming the key and what wins. OffloadPolicy field names
+    (``device``, ``prefetch``, ...) pass through."""
     check_keys(args, where)
     fields = {k: v for k, v in args.items() if k in POLICY_FIELDS}
     if "cpu_offload_pin_memory" in args:
         fields["pin_memory"] = _bool("cpu_offload_pin_memory", args["cpu_offload_pin_memory"])
-    layerwise = _bool("enable_layerwise_offload", args.get("enable_layerwise_offload", False))
-    model_level = _bool("enable_cpu_offload", args.get("enable_cpu_offload", False))
-    components_on = _bool("cpu_offload_enabled", args.get("cpu_offload_enabled", False))
-    offload_gb = args.get("cpu_offload_gb") or 0
-    if layerwise and model_level:
-        warnings.warn("enable_cpu_offload and enable_layerwise_offload are both set: layerwise offload takes "
-                      "priority and model-level offload is ignored", UserWarning, stacklevel=2)
-    if layerwise:
-        fields["strategy"] = "layerwise"
-    elif model_level:
-        fields["strategy"] = "model"
-    elif components_on:
-        strategy = str(args.get("cpu_offload_strategy", "alternating")).strip().lower()
-        if strategy not in ("alternating", "sequential"):
-            raise ValueError(f"cpu_offload_strategy={strategy!r} is unknown; choose 'alternating' or 'sequential'")
-        fields["strategy"] = strategy
-        fields["components"] = _components(args.get("cpu_offload_components"))
-    elif offload_gb:
-        fields["strategy"] = "budget"
-        fields["offload_gb"] = offload_gb
-    else:
+    strategy, winner = _selected(args)
+    if winner == "enable_layerwise_offload" and _bool("enable_cpu_offload", args.get("enable_cpu_offload", False)):
+        warn_user("enable_cpu_offload and enable_layerwise_offload are both set: layerwise offload takes "
+                  "priority and model-level offload is ignored")
+    for key, why in _ignored(args, strategy, winner):
+        warn_user(f"{where}: {key} is ignored: {why}")
+    if strategy is None:
         fields.setdefault("strategy", "none")
+        return OffloadPolicy(**fields)
+    fields["strategy"] = strategy
+    if winner == "cpu_offload_enabled":
+        fields["components"] = _components(args.get("cpu_offload_components"))
+    elif winner == "cpu_offload_gb":
+        fields["offload_gb"] = args["cpu_offload_gb"]
     return OffloadPolicy(**fields)
 
 
@@ -95,6 +140,19 @@ class StageConfig:
     model_arch: str | None
     policy: OffloadPolicy
     engine_args: Mapping[str, Any]
+
+
+def _stage_policy(engine_args: Mapping[str, Any], where: str) -> OffloadPolicy:
+    """The policy of one stage; its errors and warnings start with the file and the stage."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            policy = policy_from_engine_args(engine_args, where="engine_args")
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    for warning in caught:
+        warn_user(f"{where}: {warning.message}", warning.category)
+    return policy
 
 
 def load_stage_configs(path: str | Path) -> list[StageConfig]:
@@ -127,10 +185,7 @@ def load_stage_configs(path: str | Path) -> list[StageConfig]:
         stage_id = stage.get("stage_id", position)
         if not isinstance(stage_id, int) or isinstance(stage_id, bool):
             raise ValueError(f"{where}: stage_id must be an integer; got {stage_id!r}")
-        try:
-            policy = policy_from_engine_args(engine_args, where="engine_args")
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+        policy = _stage_policy(engine_args, where)
         stages.append(StageConfig(stage_id, engine_args.get("model_stage"), engine_args.get("model_arch"),
                                   policy, dict(engine_args)))
     ids = [s.stage_id for s in stages]

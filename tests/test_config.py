@@ -1,13 +1,14 @@
 """Seed configuration names, stage YAML and the command line."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
 from offload_compiler import OffloadPolicy
-from offload_compiler.cli import main
-from offload_compiler.config import load_stage_configs
+from offload_compiler.cli import _parser, main, policy_from_args
+from offload_compiler.config import load_stage_configs, policy_from_engine_args
 
 DATA = Path(__file__).parent / "data"
 
@@ -25,6 +26,7 @@ DATA = Path(__file__).parent / "data"
     ({"enable_layerwise_offload": True}, "layerwise", {}),
     ({"cpu_offload_gb": 8}, "budget", {"offload_gb": 8.0}),
 ])
+@pytest.mark.filterwarnings("ignore:engine args. cpu_offload_components is ignored")
 def test_seed_engine_args(args, strategy, extra):
     policy = OffloadPolicy.from_engine_args({**args, "device": "cpu"})
     assert policy.strategy == strategy
@@ -33,10 +35,56 @@ def test_seed_engine_args(args, strategy, extra):
 
 
 def test_layerwise_wins_over_model_level_with_a_warning():
-    with pytest.warns(UserWarning, match="layerwise offload takes priority"):
+    with pytest.warns(UserWarning, match="layerwise offload takes priority") as record:
         policy = OffloadPolicy.from_engine_args({"enable_cpu_offload": True, "enable_layerwise_offload": True,
                                                  "device": "cpu"})
     assert policy.strategy == "layerwise"
+    assert {w.filename for w in record} == {__file__}  # the caller's line, not config.py
+
+
+@pytest.mark.parametrize("args, strategy, words", [
+    ({"strategy": "layerwise", "cpu_offload_enabled": True}, "alternating",
+     ["strategy is ignored", "cpu_offload_enabled selects strategy 'alternating'"]),
+    ({"cpu_offload_enabled": True, "cpu_offload_gb": 2}, "alternating",
+     ["cpu_offload_gb is ignored", "cpu_offload_enabled wins"]),
+    ({"cpu_offload_components": ["thinker"]}, "none",
+     ["cpu_offload_components is ignored", "set cpu_offload_enabled: true"]),
+    ({"cpu_offload_strategy": "sequential"}, "none",
+     ["cpu_offload_strategy is ignored", "set cpu_offload_enabled: true"]),
+    ({"cpu_offload_enabled": False, "cpu_offload_components": ["visual"]}, "none",
+     ["cpu_offload_components is ignored", "cpu_offload_enabled is not true"]),
+    ({"enable_cpu_offload": True, "cpu_offload_enabled": True, "cpu_offload_components": ["visual"]}, "model",
+     ["cpu_offload_enabled is ignored", "cpu_offload_components is ignored", "enable_cpu_offload wins"]),
+    ({"enable_layerwise_offload": True, "cpu_offload_gb": 4}, "layerwise",
+     ["cpu_offload_gb is ignored", "enable_layerwise_offload wins"]),
+])
+def test_ignored_keys_warn_with_the_key_and_what_wins(args, strategy, words):
+    """The same precedence as before (stage YAML files rely on it), but nothing is dropped silently."""
+    for build in (OffloadPolicy.from_engine_args, policy_from_engine_args):
+        with pytest.warns(UserWarning) as record:
+            policy = build({**args, "device": "cpu"})
+        assert policy.strategy == strategy
+        text = " | ".join(str(w.message) for w in record)
+        for word in words:
+            assert word in text
+        assert {w.filename for w in record} == {__file__}  # the caller's line, not config.py or policy.py
+
+
+@pytest.mark.parametrize("args", [{}, {"cpu_offload_enabled": True, "cpu_offload_components": ["visual"]},
+                                  {"cpu_offload_enabled": False}, {"cpu_offload_gb": 0}, {"strategy": "sequential"},
+                                  {"enable_layerwise_offload": True, "cpu_offload_pin_memory": False}])
+def test_settings_that_apply_do_not_warn(args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy_from_engine_args({**args, "device": "cpu"})
+
+
+def test_stage_yaml_warning_names_the_file_and_the_stage(tmp_path):
+    path = tmp_path / "stages.yaml"
+    path.write_text("stage_args:\n  - stage_id: 4\n    engine_args: {cpu_offload_strategy: sequential}\n")
+    with pytest.warns(UserWarning, match="stages.yaml, stage 4: .*cpu_offload_strategy is ignored") as record:
+        (stage,) = load_stage_configs(path)
+    assert stage.policy.strategy == "none" and [w.filename for w in record] == [__file__]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -109,3 +157,60 @@ def test_cli_bad_component_is_a_clear_exit():
     with pytest.raises(SystemExit, match="unknown component 'vision'"):
         main(["plan", "--model", "multistage:omni", "--device", "cpu", "--cpu-offload-enabled",
               "--cpu-offload-components", "vision"])
+
+
+def _cli_policy(*flags):
+    return policy_from_args(_parser().parse_args(["plan", "--model", "llama", "--device", "cpu", *flags]))
+
+
+def test_cli_stage_config_gives_the_policy_not_the_default(tmp_path, capsys):
+    """A stage that keeps offloading off (the seed's thinker stage) is not offloaded: the layerwise default is
+    for a command line that names neither a stage config nor an offload flag."""
+    path = tmp_path / "s.yaml"
+    path.write_text("stage_args: [{stage_id: 0, engine_args: {model_stage: thinker, cpu_offload_enabled: false}}]\n")
+    assert load_stage_configs(path)[0].policy.strategy == "none"
+    assert _cli_policy("--stage-config", str(path), "--stage", "0").strategy == "none"
+    assert _cli_policy("--stage-config", str(DATA / "seed_selective.yaml"), "--stage", "0").strategy == "none"
+    assert main(["plan", "--model", "llama", "--device", "cpu", "--stage-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "strategy=none" in out and "MiB  streamed" not in out  # every group resident
+
+
+@pytest.mark.parametrize("flags, strategy", [
+    ((), "layerwise"),  # the default job
+    (("--no-cpu-offload-pin-memory",), "layerwise"),  # says how, not what: the default still applies
+    (("--cpu-offload-gb", "0"), "none"),
+    (("--enable-cpu-offload",), "model"),
+])
+def test_cli_default_applies_only_without_offload_settings(flags, strategy):
+    assert _cli_policy(*flags).strategy == strategy
+
+
+@pytest.mark.parametrize("strategy", ["alternating", "sequential"])
+def test_cli_strategy_keeps_the_components(strategy):
+    policy = _cli_policy("--strategy", strategy, "--cpu-offload-components", "thinker")
+    assert policy.strategy == strategy and policy.components == ("thinker",)
+    policy = _cli_policy("--strategy", strategy, "--cpu-offload-enabled", "--cpu-offload-components", "a,b")
+    assert policy.strategy == strategy and policy.components == ("a", "b")
+
+
+def test_cli_strategy_budget_reads_cpu_offload_gb_and_names_the_flag():
+    assert _cli_policy("--strategy", "budget", "--cpu-offload-gb", "2").offload_gb == 2.0
+    with pytest.raises(ValueError, match="--strategy budget needs --cpu-offload-gb"):
+        _cli_policy("--strategy", "budget")
+
+
+def test_cli_strategy_warns_about_the_flags_it_overrides():
+    with pytest.warns(UserWarning) as record:
+        policy = _cli_policy("--strategy", "layerwise", "--cpu-offload-enabled", "--cpu-offload-components", "a")
+    assert policy.strategy == "layerwise" and policy.components is None
+    assert [str(w.message) for w in record] == ["cpu_offload_enabled is ignored: --strategy layerwise wins",
+                                                "cpu_offload_components is ignored: --strategy layerwise wins"]
+
+
+def test_cli_ignored_flag_warns_once(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("stage_args: [{stage_id: 0, engine_args: {cpu_offload_components: [visual]}}]\n")
+    with pytest.warns(UserWarning) as record:
+        assert _cli_policy("--stage-config", str(path)).strategy == "none"
+    assert len(record) == 1 and "cpu_offload_components is ignored" in str(record[0].message)
