@@ -1,9 +1,11 @@
 """Helpers for property-based test suites (ours and users'): hypothesis strategies for policies and small
 random block models, and `assert_offload_equivalent`, which checks outputs *and* that offloading happened.
 
-    from hypothesis import given
+    from hypothesis import given, settings
     from offload_compiler.testing import block_models, policies, assert_offload_equivalent
 
+    # each example captures and compiles a model (seconds, not hypothesis's 200 ms default deadline)
+    @settings(deadline=None, max_examples=20)
     @given(block_models(), policies(devices=["cpu"]))
     def test_my_stack(model_and_input, policy):
         model, x = model_and_input
