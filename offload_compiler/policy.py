@@ -133,6 +133,9 @@ class OffloadPolicy:
         if strategy == "budget" and self.offload_gb is None:
             raise ValueError("strategy='budget' needs offload_gb: the GiB of weights to stream from host memory "
                              "(e.g. OffloadPolicy(strategy='budget', offload_gb=8))")
+        if strategy != "budget" and self.offload_gb is not None:
+            raise ValueError(f"offload_gb is used by strategy='budget' only; got strategy={strategy!r}. Use "
+                             f"strategy='budget' to stream offload_gb GiB, or drop offload_gb")
         self._validate_budget(strategy)
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler={self.compiler!r} is unknown; choose one of {COMPILERS}")

@@ -27,7 +27,7 @@ def _as_if_captured_on_cuda(gm):
 
 
 def _fake_cuda_runtime(model, strategy):
-    policy = OffloadPolicy(strategy=strategy, device="cpu", pin_memory=False, offload_gb=1e-4)
+    policy = OffloadPolicy(strategy=strategy, device="cpu", pin_memory=False, offload_gb=1e-4 if strategy == "budget" else None)
     object.__setattr__(policy, "device", "cuda")  # the fake run needs a CUDA compute device on a CPU build
     return OffloadRuntime(policy, plan_groups(model, policy), pack_now=False)
 

@@ -46,6 +46,8 @@ def test_frozen():
     ({"strategy": "budget", "offload_gb": float("inf")}, ["offload_gb", "finite"]),
     ({"strategy": "auto", "device_budget_gb": float("inf")}, ["device_budget_gb", "finite", "free"]),
     ({"strategy": "auto", "device_budget_gb": 1, "budget_margin_gb": float("inf")}, ["budget_margin_gb", "finite"]),
+    ({"strategy": "layerwise", "offload_gb": 2}, ["offload_gb", "strategy='budget'"]),
+    ({"strategy": "none", "offload_gb": 0}, ["offload_gb", "strategy='budget'"]),
     ({"strategy": "layerwise", "keep_after_use": False}, ["keep_after_use", "'alternating'", "'model'"]),
     ({"strategy": "sequential", "keep_after_use": False}, ["keep_after_use", "strategy='alternating'"]),
 ])
