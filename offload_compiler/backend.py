@@ -95,7 +95,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     resident = {w.group for w in weights.values()} - streamed
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
                                  runtime.new_fetch_key, _parked_instance(schedule, runtime),
-                                 frozenset(runtime.dtensor_specs))
+                                 frozenset(runtime.dtensor_specs), materialize_readers=policy.compiler == "inductor")
     verified = verify(rewritten.graph_module, weights, {g.index: g.nbytes for g in runtime.groups})
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(schedule, verified, len(gm.graph.nodes),
                                                                     rewritten.carry_keys)

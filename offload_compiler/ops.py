@@ -60,6 +60,19 @@ def _(runtime, group, poison, buffers, users, park=False):
     return _token()
 
 
+@custom_op(f"{NAMESPACE}::materialize", mutates_args=())
+def materialize(value: torch.Tensor) -> torch.Tensor:
+    """A copy of a weight reader's value, placed right after the reader; later nodes use the copy. Inductor
+    lowers in graph order and may otherwise re-compute a pointwise reader from the weight inside a later
+    kernel (a residual add), which can run after the weight's evict; an opaque op's result it cannot."""
+    return value.clone()
+
+
+@materialize.register_fake
+def _(value):
+    return torch.empty_like(value)
+
+
 @custom_op(f"{NAMESPACE}::resident", mutates_args=())
 def resident(runtime: int, group: int) -> list[torch.Tensor]:
     """The persistent device copy of a resident group (fetched on first use or after a host change)."""

@@ -169,3 +169,46 @@ def test_a_graph_dynamo_reuses_for_other_weights_reads_those_weights(strategy, c
     policy = OffloadPolicy(strategy=strategy, device="cpu", compiler=compiler, debug_poison=True)
     report = assert_offload_equivalent(model, policy, torch.randn(2, 16))
     assert report.bytes_transferred > 0  # and the ledger matched the plan: each block read its own weights
+
+
+class _PostNormBlock(nn.Module):
+    """Gemma's post-norm pattern: a pointwise reader of a weight (1 + w) feeds the residual stream, which the
+    block's last residual add, after the block's evict, would re-compute from the weight under inductor."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d, bias=False)
+        self.post_norm = nn.Parameter(torch.randn(d) * 0.1)
+        self.mlp = nn.Linear(d, d, bias=False)
+
+    def forward(self, h):
+        h = h + self.attn(h) * (1.0 + self.post_norm)
+        return h + self.mlp(torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * h)
+
+
+class _PostNormStack(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_PostNormBlock(d) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_inductor_never_recomputes_a_weight_reader_after_its_evict():
+    from capture import capture
+    from offload_compiler.backend import rewrite_graph
+    from offload_compiler.grouping import plan_groups
+    from offload_compiler.runtime import OffloadRuntime
+    torch.manual_seed(0)
+    model = _PostNormStack().eval()
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor", debug_poison=True)
+    assert_offload_equivalent(model, policy, torch.randn(1, 4, 16))  # NaN (poisoned weights) if it did
+    gm, inputs = capture(model, torch.randn(1, 4, 16))
+    new_gm, _, _ = rewrite_graph(gm, inputs, OffloadRuntime(policy, plan_groups(model, policy), pack_now=False))
+    materialized = [n for n in new_gm.graph.nodes if n.target is torch.ops.offload_compiler.materialize.default]
+    assert len(materialized) == 2  # the (1 + w) readers; the matmuls' readers need no copy

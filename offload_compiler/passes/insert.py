@@ -19,7 +19,12 @@ from .analysis import Reads, WeightInput, _value
 from .schedule import Schedule
 
 OPS = torch.ops.offload_compiler
-FETCH, ADOPT, CARRY = 0, 1, 2  # prefetch modes: copy now; use the copy the previous call carried, else copy; carry
+FETCH, ADOPT, CARRY = 0, 1, 2
+# readers whose result is always a buffer of its own under inductor (extern kernels): nothing to materialize
+_EXTERN_READERS = {torch.nn.functional.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
+                   torch.baddbmm, torch.conv1d, torch.conv2d, torch.conv3d, torch.nn.functional.conv1d,
+                   torch.nn.functional.conv2d, torch.nn.functional.conv3d,
+                   torch.nn.functional.scaled_dot_product_attention, operator.matmul}  # prefetch modes: copy now; use the copy the previous call carried, else copy; carry
 Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per slot (bucket, shape, offset)
 
 
@@ -54,10 +59,42 @@ def _slot_views(graph: fx.Graph, buffers: fx.Node, group: int, slots: set[int], 
     return items, views
 
 
+# views share their input's buffer, which the evict realizes in place; casts and copies would not
+_VIEWS = {"view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten", "expand", "unflatten"}
+
+
+def _is_extern(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _EXTERN_READERS
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def _feeds_only_externs(node: fx.Node) -> bool:
+    """Every consumer is an extern kernel, directly or through views: inductor gives the value a buffer."""
+    for user in node.users:
+        if _is_extern(user):
+            continue
+        if _name(user) in _VIEWS and _feeds_only_externs(user):
+            continue
+        return False
+    return bool(node.users)
+
+
+def needs_materializing(reader: fx.Node) -> bool:
+    """Inductor may re-compute this weight reader's value inside a consumer's kernel (pointwise readers,
+    gathers) that runs after the weight's evict; extern kernels (matmuls, convolutions, attention), and
+    readers that only feed them, always get a buffer of their own."""
+    return reader.op in ("call_function", "call_method") and not _is_extern(reader) and not _feeds_only_externs(reader)
+
+
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
                      reads: dict[tuple[fx.Node, int], list[Reads]], resident_groups: set[int],
                      runtime_id: int, layout: Layout, fetch_key, park: frozenset[int] = frozenset(),
-                     dtensors: frozenset = frozenset()) -> Rewritten:
+                     dtensors: frozenset = frozenset(), materialize_readers: bool = False) -> Rewritten:
+    """``materialize_readers`` (inductor): later nodes read a copy (`ops.materialize`) of each streamed weight
+    reader that inductor could re-compute after the evict, made right after the reader."""
     nodes = list(gm.graph.nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -66,6 +103,9 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     for w in weights.values():
         slots_in_graph.setdefault(w.group, set()).add(w.slot)
     n_buckets = {g: 1 + max(b for b, _, _ in layout[g]) for g in layout}
+    to_materialize = {leaf for rs in reads.values() for r in rs for leaf in r.leaves if needs_materializing(leaf)
+                      } if materialize_readers else set()
+    computed: dict[fx.Node, fx.Node] = {}  # a materialized reader -> its own node, which the evict follows
 
     prefetch_of = {}
     for inst in schedule.instances:
@@ -132,10 +172,13 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             break
         env[node] = graph.node_copy(
             node, lambda arg: weight_arg(node, arg) if arg in weights else env[arg])
+        if node in to_materialize:
+            computed[node] = env[node]
+            env[node] = graph.call_function(OPS.materialize.default, (env[node],))
         for inst in evicts_at.get(position, []):
             items, _ = fetched[inst.index]
             rs = [r for use in inst.uses for r in reads[use.key]]
-            leaves = list(dict.fromkeys(env[leaf] for r in rs for leaf in r.leaves))
+            leaves = list(dict.fromkeys(computed.get(leaf, env[leaf]) for r in rs for leaf in r.leaves))
             if dtensors:  # the evict orders after a DTensor reader through its local shard (no communication)
                 leaves = [graph.call_method("to_local", (leaf,)) if is_dtensor(_value(leaf)) else leaf
                           for leaf in leaves]
