@@ -24,14 +24,19 @@ class OffloadedModule(nn.Module):
     """The model, run through its rewritten graph(s). Parameters, buffers and ``state_dict`` are the
     original model's (host masters); inference only (the forward runs under ``torch.no_grad``).
 
-    The model's own ``forward`` is replaced too, so whatever calls the model itself — ``generate()``, a
-    pipeline holding the original object — runs offloaded as well."""
+    The model's own ``forward`` is replaced too, and so are those of the modules that contain its groups (an
+    encoder, a decoder stack), so whatever calls them itself — ``generate()``, which runs an encoder-decoder's
+    encoder on its own, a pipeline holding the original object — runs offloaded as well."""
 
     def __init__(self, model: nn.Module, policy: OffloadPolicy, runtime: OffloadRuntime) -> None:
         super().__init__()
         self._orig_mod = model
         object.__setattr__(self, "_offload_runtime", runtime)
         model.forward = _OffloadedForward(model, runtime, root=True)
+        for name in _containers_of_groups(model, runtime):
+            module = model.get_submodule(name)
+            if not isinstance(module.__dict__.get("forward"), _OffloadedForward):
+                module.forward = _OffloadedForward(module, runtime, root=True)
 
     @property
     def offload_policy(self) -> OffloadPolicy:
@@ -146,6 +151,25 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
     if policy.strategy in COMPONENT_STRATEGIES or policy.strategy == "sequential":
         _offload_component_calls(model, runtime)
     return OffloadedModule(model, policy, runtime)
+
+
+def _containers_of_groups(model: nn.Module, runtime: OffloadRuntime) -> list[str]:
+    """Modules strictly between the model and its groups that have a forward of their own (``encoder``,
+    ``model.decoder``; not the blocks, not module lists)."""
+    names: dict[str, None] = {}
+    for group in runtime.groups:
+        parts = group.name.split(".") if group.name not in ("", "(root)") else []
+        for end in range(1, len(parts)):
+            names[".".join(parts[:end])] = None
+    found = []
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if type(module).forward is not nn.Module.forward:  # ModuleList/ModuleDict have none
+            found.append(name)
+    return found
 
 
 def _offload_component_calls(model: nn.Module, runtime: OffloadRuntime) -> None:
