@@ -87,6 +87,12 @@ def test_architecture_offloads(name, label):
         assert report.max_abs_diff <= tol
 
 
+def test_cli_plans_an_architecture(capsys):
+    from offload_compiler.cli import main
+    assert main(["plan", "--model", "gemma2", "--device", "cpu", "--enable-layerwise-offload"]) == 0
+    assert "model.layers.1" in capsys.readouterr().out
+
+
 def test_every_architecture_has_a_case():
     assert sorted(ARCHITECTURES) == sorted(name for name, _ in CASES)
 
