@@ -65,12 +65,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
-    from .models import BUILDERS
-    if spec in BUILDERS:
-        model, inputs = BUILDERS[spec]()
+    from .models import ARCHITECTURES, BUILDERS
+    if spec in BUILDERS or spec in ARCHITECTURES:
+        try:
+            model, inputs = (BUILDERS.get(spec) or ARCHITECTURES[spec])()
+        except (ImportError, AttributeError) as exc:
+            raise SystemExit(f"--model {spec!r}: the installed transformers/diffusers cannot build it: {exc}") from None
     else:
         if ":" not in spec:
-            raise SystemExit(f"--model {spec!r}: expected pkg.module:fn or one of {sorted(BUILDERS)}")
+            raise SystemExit(f"--model {spec!r}: expected pkg.module:fn or one of {sorted(BUILDERS)}, or an "
+                             f"architecture of offload_compiler.models.ARCHITECTURES: {sorted(ARCHITECTURES)}")
         module_name, fn_name = spec.split(":", 1)
         sys.path.insert(0, os.getcwd())
         try:

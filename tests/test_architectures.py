@@ -1,0 +1,180 @@
+"""Many real transformers / diffusers architectures (tiny configs, random weights, `models.ARCHITECTURES`):
+blocks are found, and the offloaded model matches the plain one with the bytes streamed and the ledger peak
+equal to the verified prediction (`assert_offload_equivalent`). One strategy per architecture, rotated so
+that every strategy meets decoders, MoE, encoder-decoders, encoders, vision models and DiTs."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import OffloadPolicy, offload_compile, offload_stats
+from offload_compiler.grouping import block_paths, plan_groups
+from offload_compiler.models import ARCHITECTURES
+from offload_compiler.testing import assert_offload_equivalent
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+STRATEGIES = {
+    "layerwise": {"strategy": "layerwise", "prefetch": 1},
+    "layerwise_p2": {"strategy": "layerwise", "prefetch": 2},
+    "sequential": {"strategy": "sequential"},
+    "budget": {"strategy": "budget"},  # offload_gb: half the model's bytes
+    "auto": {"strategy": "auto"},      # device_budget_gb: 60% of the model's bytes
+}
+
+CASES = [
+    ("mistral", "layerwise"), ("mixtral", "budget"), ("qwen3", "layerwise_p2"), ("qwen3_moe", "sequential"),
+    ("gemma2", "layerwise"), ("gemma3", "budget"), ("phi3", "sequential"), ("olmo2", "layerwise_p2"),
+    ("falcon", "sequential"), ("gpt_neox", "budget"), ("opt", "layerwise_p2"), ("bloom", "layerwise"),
+    ("deepseek_v3", "layerwise"), ("mamba", "layerwise"), ("t5", "layerwise_p2"), ("bart", "budget"),
+    ("whisper", "layerwise"), ("bert", "auto"), ("albert", "sequential"), ("vit", "budget"),
+    ("dinov2", "layerwise"), ("clip_vision", "sequential"), ("clip_text", "layerwise"), ("swin", "layerwise_p2"),
+    ("convnext", "budget"), ("sd3", "layerwise"), ("wan", "budget"), ("ltx_video", "layerwise_p2"),
+    ("cogvideox", "sequential"), ("hunyuan_video", "layerwise"), ("qwen_image", "budget"),
+    ("controlnet", "layerwise"), ("sd3_controlnet", "sequential"), ("vae_roundtrip", "layerwise_p2"),
+]
+
+# where blocks must be found (no declaration on these classes: discovery by the outermost ModuleLists)
+BLOCKS = {
+    "mistral": ("model.layers",), "falcon": ("transformer.h",), "t5": ("encoder.block", "decoder.block"),
+    "whisper": ("model.encoder.layers", "model.decoder.layers"), "albert": ("encoder.albert_layer_groups",),
+    "hunyuan_video": ("context_embedder.token_refiner.refiner_blocks", "transformer_blocks",
+                      "single_transformer_blocks"),
+    "sd3": ("transformer_blocks",), "wan": ("blocks",),
+}
+
+# torch.compile changes the model's own arithmetic (Mamba takes an associative-scan path under dynamo,
+# is_torchdynamo_compiling()): equal within float rounding, not bit for bit, with no offloading at all
+TOLERANT = {"mamba": 1e-5}
+
+
+def build(name):
+    try:
+        return ARCHITECTURES[name]()
+    except (ImportError, AttributeError) as exc:  # class missing from the installed transformers/diffusers
+        pytest.skip(f"{name}: {exc}")
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def policy_for(model: nn.Module, label: str) -> OffloadPolicy:
+    fields = dict(STRATEGIES[label])
+    if fields["strategy"] == "budget":
+        fields["offload_gb"] = 0.5 * model_bytes(model) / 2**30
+    if fields["strategy"] == "auto":
+        fields["device_budget_gb"] = 0.6 * model_bytes(model) / 2**30
+    return OffloadPolicy(device="cpu", debug_poison=True, compiler="eager", **fields)
+
+
+@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_architecture_offloads(name, label):
+    model, kwargs = build(name)
+    policy = policy_for(model, label)
+    grouping = policy if policy.strategy != "auto" else policy.replace(strategy="layerwise", device_budget_gb=None)
+    groups = plan_groups(model, grouping)
+    assert len(groups) > 2, [g.name for g in groups]
+    if grouping.strategy != "sequential":
+        assert sum(g.is_block for g in groups) >= 1, "no block list found"
+    tol = TOLERANT.get(name)
+    report = assert_offload_equivalent(model, policy, atol=tol, rtol=tol, **kwargs)
+    assert report.streamed_bytes > 0 and report.bytes_transferred >= 2 * report.streamed_bytes
+    if tol is not None:
+        assert report.max_abs_diff <= tol
+
+
+def test_cli_plans_an_architecture(capsys):
+    from offload_compiler.cli import main
+    assert main(["plan", "--model", "gemma2", "--device", "cpu", "--enable-layerwise-offload"]) == 0
+    assert "model.layers.1" in capsys.readouterr().out
+
+
+def test_every_architecture_has_a_case():
+    assert sorted(ARCHITECTURES) == sorted(name for name, _ in CASES)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_blocks_are_discovered(name):
+    model, _ = build(name)
+    assert block_paths(model, OffloadPolicy(strategy="layerwise", device="cpu")) == BLOCKS[name]
+
+
+def test_moe_routing_changes_between_calls():
+    """MoE routing is data-dependent; one captured graph serves other tokens (same shape) exactly."""
+    model, kwargs = build("qwen3_moe")
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True))
+    for seed in range(2):
+        ids = torch.randint(3, 128, kwargs["input_ids"].shape, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert torch.equal(m(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits)
+    assert len(m._offload_runtime.graph_plans) == 1
+
+
+def test_encoder_decoder_other_lengths():
+    """A second call with a shorter source and target recompiles and stays exact."""
+    model, kwargs = build("t5")
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True))
+    for cut in (0, 3):
+        inputs = dict(kwargs, input_ids=kwargs["input_ids"][:, :10 - cut],
+                      decoder_input_ids=kwargs["decoder_input_ids"][:, :5 - cut // 3])
+        with torch.no_grad():
+            assert torch.equal(m(**inputs).logits, model(**inputs).logits)
+    assert offload_stats(m).bytes_transferred > 0
+
+
+@pytest.mark.xfail(strict=True, reason="OffloadedModule.__getattr__ hands out the original model's bound methods: "
+                                       "generate() calls the un-offloaded forward (nothing moves); fix in api.py")
+def test_generate_runs_offloaded():
+    model, kwargs = build("mistral")
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True))
+    with torch.no_grad():
+        expected = model.generate(kwargs["input_ids"], max_new_tokens=2, do_sample=False)
+    assert torch.equal(m.generate(kwargs["input_ids"], max_new_tokens=2, do_sample=False), expected)
+    assert offload_stats(m).bytes_transferred > 0
+
+
+class _PostNormBlock(nn.Module):
+    """Gemma2/3's post-norm pattern: a weight read by a pointwise op whose result is the residual stream, read
+    again by the next residual add after a matmul."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d, bias=False)
+        self.post_norm = nn.Parameter(torch.randn(d) * 0.1)
+        self.mlp = nn.Linear(d, d, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(h) * (1.0 + self.post_norm)
+        return h + self.mlp(torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * h)
+
+
+class _PostNormStack(nn.Module):
+    def __init__(self, d: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_PostNormBlock(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="inductor recomputes the pointwise reader (1 + post_norm) inside the next "
+                                       "residual add's kernel, scheduled after the block's evict (NaN under "
+                                       "debug_poison; the copy outlives its evict). Fix in passes/insert.py + ops.py")
+def test_inductor_does_not_recompute_a_weight_reader_after_its_evict():
+    torch.manual_seed(0)
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor", debug_poison=True)
+    assert_offload_equivalent(_PostNormStack().eval(), policy, torch.randn(1, 4, 16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert"])
+def test_inductor_budget(name):
+    model, kwargs = build(name)
+    assert_offload_equivalent(model, policy_for(model, "budget").replace(compiler="inductor"), **kwargs)
