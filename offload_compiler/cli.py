@@ -106,13 +106,19 @@ def _stage_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in chosen[0].engine_args.items() if k not in ("model_stage", "model_arch")}
 
 
+AUTO_KEEPS = {"device": "device", "compiler": "compiler", "prefetch_next_call": "prefetch_next_call",
+              "cpu_offload_pin_memory": "pin_memory"}
+
+
 def _auto_policy(args: argparse.Namespace, engine: dict[str, Any]) -> OffloadPolicy:
     budget = args.device_budget_gb or "free"
     auto = {"strategy": "auto", "device_budget_gb": budget if budget == "free" else float(budget)}
     if args.budget_margin_gb is not None:
         auto["budget_margin_gb"] = args.budget_margin_gb
-    return OffloadPolicy(**{k: v for k, v in engine.items() if k in ("device", "compiler", "prefetch_next_call")},
-                         **auto)
+    ignored = sorted(k for k in engine if k not in AUTO_KEEPS and k not in ("model_stage", "model_arch"))
+    if ignored:
+        warn_user(f"strategy auto plans residency, prefetch and grouping from the device budget; ignored: {ignored}")
+    return OffloadPolicy(**{AUTO_KEEPS[k]: v for k, v in engine.items() if k in AUTO_KEEPS}, **auto)
 
 
 def _agrees(key: str, value: Any, strategy: str, reads: tuple[str, ...]) -> bool:

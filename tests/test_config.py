@@ -214,3 +214,13 @@ def test_cli_ignored_flag_warns_once(tmp_path):
     with pytest.warns(UserWarning) as record:
         assert _cli_policy("--stage-config", str(path)).strategy == "none"
     assert len(record) == 1 and "cpu_offload_components is ignored" in str(record[0].message)
+
+
+def test_cli_auto_says_which_offload_settings_it_ignores():
+    args = _parser().parse_args(["plan", "--model", "llama", "--device", "cpu", "--device-budget-gb", "1",
+                                 "--cpu-offload-enabled", "--cpu-offload-components", "visual", "--prefetch", "2",
+                                 "--no-cpu-offload-pin-memory"])
+    with pytest.warns(UserWarning, match=r"strategy auto plans .*ignored: \['cpu_offload_components', "
+                                         r"'cpu_offload_enabled', 'prefetch'\]"):
+        policy = policy_from_args(args)
+    assert policy.strategy == "auto" and policy.device_budget_gb == 1.0 and policy.pin_memory is False
