@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from offload_compiler import (OffloadPolicy, inject_fault, offload_compile, offload_stats, release_device_copies,
                               remove_offload, reset_offload_stats)
@@ -92,17 +91,7 @@ def test_a_call_taking_another_graph_drops_the_carried_copies_first():
 
 
 def test_graphs_alternating_within_a_call_stop_carrying():
-    class Broken(nn.Module):
-        _layerwise_offload_blocks_attr = "blocks"
-
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-
-        def forward(self, x):
-            x = torch.relu(self.blocks[1](torch.relu(self.blocks[0](x))))
-            torch._dynamo.graph_break()  # two graphs per call
-            return torch.relu(self.blocks[3](torch.relu(self.blocks[2](x))))
+    from test_backend import Broken  # a graph break between its blocks: two graphs per call
 
     model = Broken()
     x = torch.randn(2, 16)
