@@ -32,11 +32,7 @@ class OffloadedModule(nn.Module):
         super().__init__()
         self._orig_mod = model
         object.__setattr__(self, "_offload_runtime", runtime)
-        model.forward = _OffloadedForward(model, runtime, root=True)
-        for name in _containers_of_groups(model, runtime):
-            module = model.get_submodule(name)
-            if not isinstance(module.__dict__.get("forward"), _OffloadedForward):
-                module.forward = _OffloadedForward(module, runtime, root=True)
+        offload_forwards(model, runtime)
 
     @property
     def offload_policy(self) -> OffloadPolicy:
@@ -151,6 +147,15 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
     if policy.strategy in COMPONENT_STRATEGIES or policy.strategy == "sequential":
         _offload_component_calls(model, runtime)
     return OffloadedModule(model, policy, runtime)
+
+
+def offload_forwards(model: nn.Module, runtime: OffloadRuntime) -> None:
+    """The model's forward, and those of the modules containing its groups, run through offloaded graphs."""
+    model.forward = _OffloadedForward(model, runtime, root=True)
+    for name in _containers_of_groups(model, runtime):
+        module = model.get_submodule(name)
+        if not isinstance(module.__dict__.get("forward"), _OffloadedForward):
+            module.forward = _OffloadedForward(module, runtime, root=True)
 
 
 def _containers_of_groups(model: nn.Module, runtime: OffloadRuntime) -> list[str]:

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import backend
-from .api import RECOMPILE_LIMIT, OffloadedModule, _OffloadedForward
+from .api import RECOMPILE_LIMIT, OffloadedModule, offload_forwards
 from .costmodel import DeviceRates, build_table, device_rates
 from .grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
@@ -265,7 +265,7 @@ class AutoOffloadedModule(OffloadedModule):
         runtime = OffloadRuntime(concrete, planned_specs(model, policy, plan), type(model).__name__)
         backend._MODULE_RUNTIMES[model] = runtime
         object.__setattr__(self, "_offload_runtime", runtime)
-        model.forward = _OffloadedForward(model, runtime, root=True)
+        offload_forwards(model, runtime)
         object.__setattr__(self, "_offload_plan", plan)
         return plan
 
