@@ -1,0 +1,23 @@
+"""The examples the README points at keep running and keep saying their outputs are right."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("script, expected", [
+    ("decode_loop.py", "tokens equal the plain model's greedy decoding: True"),
+    ("diffusion_model_level.py", "outputs equal: True"),
+    ("multistage_omni.py", "outputs equal the plain model: True"),
+])
+def test_example_runs_and_checks_its_outputs(script, expected, tmp_path):
+    result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert expected in result.stdout, result.stdout[-3000:]
+    assert not [line for line in lines if "equal" in line and "False" in line], result.stdout[-3000:]
