@@ -28,7 +28,7 @@ class OffloadedModule(nn.Module):
     encoder, a decoder stack), so whatever calls them itself — ``generate()``, which runs an encoder-decoder's
     encoder on its own, a pipeline holding the original object — runs offloaded as well."""
 
-    def __init__(self, model: nn.Module, policy: OffloadPolicy, runtime: OffloadRuntime) -> None:
+    def __init__(self, model: nn.Module, runtime: OffloadRuntime) -> None:
         super().__init__()
         self._orig_mod = model
         object.__setattr__(self, "_offload_runtime", runtime)
@@ -146,7 +146,7 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
     runtime = build_runtime(model, policy)
     if policy.strategy in COMPONENT_STRATEGIES or policy.strategy == "sequential":
         _offload_component_calls(model, runtime)
-    return OffloadedModule(model, policy, runtime)
+    return OffloadedModule(model, runtime)
 
 
 def offload_forwards(model: nn.Module, runtime: OffloadRuntime) -> None:

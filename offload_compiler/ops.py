@@ -23,9 +23,8 @@ def _fake_buffers(runtime: int, group: int) -> list[torch.Tensor]:
 
 @custom_op(f"{NAMESPACE}::prefetch", mutates_args=())
 def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor], mode: int = 0) -> torch.Tensor:
-    """Start copying ``group`` to the device (asynchronously on an accelerator); returns a token. ``mode``
-    (`passes.insert`): 0 copy now; 1 take the copy the previous call carried if still valid, else copy;
-    2 copy for the next call of this graph (prefetch wrap-around)."""
+    """Start copying ``group`` to the device (asynchronously on an accelerator); returns a token. ``mode``:
+    `runtime.FETCH`, `runtime.ADOPT` or `runtime.CARRY` (see `OffloadRuntime.prefetch`)."""
     runtime_by_id(runtime).prefetch(key, group, mode)
     return _token()
 

@@ -26,6 +26,10 @@ _RUNTIMES: "weakref.WeakValueDictionary[int, OffloadRuntime]" = weakref.WeakValu
 _NEXT_ID = itertools.count(1)
 
 
+# prefetch modes (`ops.prefetch`): copy now; take the copy the previous call carried, else copy; carry to the next
+FETCH, ADOPT, CARRY = 0, 1, 2
+
+
 def runtime_by_id(runtime_id: int) -> "OffloadRuntime":
     runtime = _RUNTIMES.get(runtime_id)
     if runtime is None:
@@ -403,17 +407,17 @@ class OffloadRuntime:
                 set_local(slot.tensor, view.view(slot.shape))
                 slot.host_ptr = local_of(slot.tensor).data_ptr()
 
-    def prefetch(self, key: int, group: int, mode: int = 0) -> None:
-        """mode: 0 copy now; 1 take the copy the previous call carried for ``key`` if still valid (same group,
-        host weights unchanged), else copy; 2 copy for the next call (prefetch wrap-around)."""
+    def prefetch(self, key: int, group: int, mode: int = FETCH) -> None:
+        """FETCH: copy now; ADOPT: take the copy the previous call carried for ``key`` if still valid (same
+        group, host weights unchanged), else copy; CARRY: copy for the next call (prefetch wrap-around)."""
         group = self._actual(group)
         g = self.groups[group]
-        if mode == 2:
+        if mode == CARRY:
             if self.group_remap is None and self._carry_misses.get(key, 0) < 2:
                 buffers, done = self._copy_group(g)
                 self._carried[key] = Carried(group, self._stamp(g), buffers, done)
             return
-        if mode == 1:
+        if mode == ADOPT:
             carried = self._carried.pop(key, None)
             if carried is not None and carried.group == group and carried.stamp == self._stamp(g):
                 self._pending[key] = (carried.buffers, carried.done)

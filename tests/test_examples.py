@@ -21,3 +21,5 @@ def test_example_runs_and_checks_its_outputs(script, expected, tmp_path):
     lines = result.stdout.splitlines()
     assert expected in result.stdout, result.stdout[-3000:]
     assert not [line for line in lines if "equal" in line and "False" in line], result.stdout[-3000:]
+    moved = [line for line in lines if "moved " in line]
+    assert moved and not [line for line in moved if "moved 0.00 MiB" in line or "moved 0.0 MiB" in line], moved

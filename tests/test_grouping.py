@@ -5,18 +5,9 @@ from torch import nn
 from offload_compiler import OffloadPolicy
 from offload_compiler.grouping import collect_weights, discover_block_paths, plan_groups
 from offload_compiler.testing import BlockSpec, ModelSpec, build_block_model
+from test_reliability import Plain  # two linears, no blocks
 
 CPU = dict(device="cpu")
-
-
-class Plain(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.b(self.a(x))
 
 
 class TwoLists(nn.Module):

@@ -15,11 +15,11 @@ import torch
 import torch.fx as fx
 
 from ..distributed import from_local_slot, is_dtensor
+from ..runtime import ADOPT, CARRY, FETCH
 from .analysis import Reads, WeightInput, _value
 from .schedule import Schedule
 
 OPS = torch.ops.offload_compiler
-FETCH, ADOPT, CARRY = 0, 1, 2
 # readers whose result is always a buffer of its own under inductor (extern kernels): nothing to materialize
 _EXTERN_READERS = {torch.nn.functional.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm,
                    torch.baddbmm, torch.conv1d, torch.conv2d, torch.conv3d, torch.nn.functional.conv1d,

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .analysis import WeightInput, _storage, _value, readers
-from .insert import ADOPT, CARRY
+from ..runtime import ADOPT, CARRY, FETCH
 
 OPS = torch.ops.offload_compiler
 
@@ -83,7 +83,7 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
                 raise ScheduleError(f"the evict of {placeholder.name} does not depend on {reader.format_node()}")
 
     prefetches = [n for n in nodes if n.target is OPS.prefetch.default]
-    mode = lambda n: n.args[4] if len(n.args) > 4 else 0  # noqa: E731
+    mode = lambda n: n.args[4] if len(n.args) > 4 else FETCH  # noqa: E731
     carried = sum(group_bytes[n.args[1]] for n in prefetches if mode(n) == CARRY)
     if carried != sum(group_bytes[n.args[1]] for n in prefetches if mode(n) == ADOPT):
         raise ScheduleError("the copies this graph carries to its next call are not the ones it starts with")
