@@ -11,13 +11,11 @@ import warnings
 
 import torch.utils._pytree as pytree
 
-from .backend import RuntimeBackend, build_runtime, forget_runtime, runtime_of
+from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, forget_runtime, runtime_of
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
 RECOMPILE_LIMIT = 4096
-OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back, or it was offloaded again; call the "
-                 "module remove_offload or the latest offload_compile returned")
 
 
 class OffloadedModule(nn.Module):

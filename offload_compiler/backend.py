@@ -26,6 +26,8 @@ from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime
 
+OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back, or it was offloaded again; call the "
+                 "module remove_offload or the latest offload_compile returned")
 MAX_VARIANTS = 1024  # per captured graph: weight sets it was called with (one per layer for a reused layer graph)
 _MODULE_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, OffloadRuntime]" = weakref.WeakKeyDictionary()
 
@@ -177,9 +179,11 @@ class GraphRunner:
 
     def __call__(self, *args):
         rt = self._runtime()
-        if rt is None or rt.closed:
-            raise RuntimeError("this offloaded graph's model was given back by remove_offload(); call the module "
-                               "remove_offload returned, or offload_compile it again")
+        if rt is None:
+            raise RuntimeError("this offloaded graph's model no longer exists (garbage-collected), yet dynamo called its "
+                               "cached graph, e.g. for another model of its class: offload_compile that model instead")
+        if rt.closed:
+            raise RuntimeError(OFFLOAD_ENDED)
         with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
             ids = self._ids(args)
             variant = self._variants.get(ids) or self._variant_for(args, ids, rt)

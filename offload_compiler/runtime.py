@@ -28,6 +28,7 @@ _NEXT_ID = itertools.count(1)
 
 # prefetch modes (`ops.prefetch`): copy now; take the copy the previous call carried, else copy; carry to the next
 FETCH, ADOPT, CARRY = 0, 1, 2
+CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
 
 
 def runtime_by_id(runtime_id: int) -> "OffloadRuntime":
@@ -413,7 +414,7 @@ class OffloadRuntime:
         group = self._actual(group)
         g = self.groups[group]
         if mode == CARRY:
-            if self.group_remap is None and self._carry_misses.get(key, 0) < 2:
+            if self.group_remap is None and self._carry_misses.get(key, 0) < CARRY_MISSES_TO_STOP:
                 buffers, done = self._copy_group(g)
                 self._carried[key] = Carried(group, self._stamp(g), buffers, done)
             return
