@@ -174,6 +174,7 @@ def test_remove_offload_restores_components_called_on_their_own():
     m = offload_compile(model, OffloadPolicy(strategy="alternating", **CPU))
     with torch.no_grad():
         m.talker(m.thinker(*args))
+    assert offload_stats(m).fetch_count >= 2  # both components went through the device before removal
     plain = remove_offload(m)
     assert all("forward" not in sub.__dict__ for sub in plain.modules())
     with torch.no_grad():
@@ -182,6 +183,7 @@ def test_remove_offload_restores_components_called_on_their_own():
     expected = pipe(**kwargs)
     pipe = offload_compile(pipe, OffloadPolicy(strategy="model", **CPU))
     pipe(**kwargs)
+    assert offload_stats(pipe).bytes_transferred > 0
     pipe = remove_offload(pipe)
     assert not hasattr(pipe, "_offload_runtime") and "forward" not in pipe.transformer.__dict__
     assert torch.equal(pipe(**kwargs), expected)
