@@ -78,14 +78,20 @@ def _on(args: Mapping[str, Any], key: str) -> bool:
 
 def _selected(args: Mapping[str, Any]) -> tuple[str | None, str | None]:
     """(strategy, the key that selects it) by the seed precedence; (None, None) when no key selects one."""
+    strategy = _component_strategy(args)  # checked even where another key wins: a typo is never ignored
     winner = next((key for key in SELECTORS if _on(args, key)), None)
     if winner != "cpu_offload_enabled":
         return {"enable_layerwise_offload": "layerwise", "enable_cpu_offload": "model",
                 "cpu_offload_gb": "budget"}.get(winner), winner
+    return strategy, winner
+
+
+def _component_strategy(args: Mapping[str, Any]) -> str:
     strategy = str(args.get("cpu_offload_strategy", "alternating")).strip().lower()
     if strategy not in ("alternating", "sequential"):
-        raise ValueError(f"cpu_offload_strategy={strategy!r} is unknown; choose 'alternating' or 'sequential'")
-    return strategy, winner
+        raise ValueError(f"cpu_offload_strategy={args.get('cpu_offload_strategy')!r} is unknown; choose "
+                         f"'alternating' or 'sequential'")
+    return strategy
 
 
 def _ignored(args: Mapping[str, Any], strategy: str | None, winner: str | None) -> list[tuple[str, str]]:
