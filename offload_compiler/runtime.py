@@ -95,6 +95,7 @@ class Slot:
     shape: tuple[int, ...]
     numel: int
     host_ptr: int = 0
+    stride: tuple[int, ...] = ()  # the weight's own layout (channels_last, transposed), restored by unpack
 
 
 @dataclasses.dataclass
@@ -235,16 +236,16 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
     by_dtype: dict[torch.dtype, int] = {}
     for w in spec.weights:
         t = local_of(w.tensor)  # a DTensor weight is laid out as its local shard; the slot keeps the DTensor
-        shape, numel = tuple(t.shape), t.numel()
+        shape, numel, stride = tuple(t.shape), t.numel(), tuple(t.stride())
         if id(t) in unpackable:
-            slot = Slot(w.name, w.tensor, len(buckets), 0, shape, numel)
+            slot = Slot(w.name, w.tensor, len(buckets), 0, shape, numel, stride=stride)
             buckets.append(Bucket(t.dtype, numel, None, owner=slot))
         else:
             if t.dtype not in by_dtype:
                 by_dtype[t.dtype] = len(buckets)
                 buckets.append(Bucket(t.dtype, 0, None))
             bucket = buckets[by_dtype[t.dtype]]
-            slot = Slot(w.name, w.tensor, by_dtype[t.dtype], bucket.numel, shape, numel)
+            slot = Slot(w.name, w.tensor, by_dtype[t.dtype], bucket.numel, shape, numel, stride=stride)
             bucket.numel += numel
         slots.append(slot)
     return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive)
@@ -279,6 +280,15 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
     for s in group.slots:
         s.host_ptr = local_of(s.tensor).data_ptr()
     group.packed = True
+
+
+def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """A packed weight copied into storage of its own, with the strides it had before packing (channels_last,
+    a transposed view's layout) where those describe a dense tensor; contiguous otherwise (expanded weights)."""
+    restored = torch.empty_strided(packed.shape, stride or packed.stride(), dtype=packed.dtype)
+    if restored.untyped_storage().nbytes() != packed.numel() * packed.element_size():
+        return packed.clone()
+    return restored.copy_(packed)
 
 
 class OffloadRuntime:
@@ -317,6 +327,7 @@ class OffloadRuntime:
         self.ledger = Ledger()
         self.bytes_transferred = 0
         self.fetch_count = 0
+        self.used_groups: set[int] = set()  # groups a graph read in the current call (fetched or resident)
         self._pending: dict[int, tuple[list[torch.Tensor], object]] = {}
         self._resident: dict[int, tuple[list[torch.Tensor], tuple]] = {}
         self._parked: dict[int, tuple[list[torch.Tensor], tuple]] = {}
@@ -439,6 +450,7 @@ class OffloadRuntime:
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
         group = self._actual(group)
+        self.used_groups.add(group)
         buffers, done = self._pending.pop(key, None) or self._copy_group(self.groups[group])
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
@@ -490,6 +502,7 @@ class OffloadRuntime:
     def resident(self, group: int) -> list[torch.Tensor]:
         """The persistent device copy of a resident group, refetched when a host weight changed."""
         group = self._actual(group)
+        self.used_groups.add(group)
         g = self.groups[group]
         cached = self._resident.get(group)
         if cached is not None and cached[1] == self._stamp(g):
@@ -557,7 +570,7 @@ class OffloadRuntime:
                     continue
                 for slot in group.slots:
                     if group.buckets[slot.bucket].owner is None:
-                        set_local(slot.tensor, local_of(slot.tensor).detach().clone())
+                        set_local(slot.tensor, _own_copy(local_of(slot.tensor).detach(), slot.stride))
             self._registrations.unregister_all()  # before the buffers can be freed
             for group in self.groups:
                 for bucket in group.buckets:
