@@ -2,8 +2,8 @@
 explicit nodes of the model's graph (eager or inductor)."""
 
 from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_plan, offload_stats,
-                  release_device_copies, remove_offload, reset_offload_stats)
-from .auto import OffloadPlan, plan_offload
+                  plan_offload, release_device_copies, remove_offload, reset_offload_stats)
+from .auto import OffloadPlan
 from .offloaded import omni_offload
 from .planner import InfeasibleBudgetError
 from .policy import OffloadPolicy

@@ -8,13 +8,15 @@ from typing import Any
 
 from torch import nn
 
+from ._dynamo import compiled_module_of
+from . import auto
 from .auto import OffloadPlan
 from .offloaded import OffloadState, OffloadedModule, detach, offload_module, offload_pipeline, state_of
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
 __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload_stats", "release_device_copies",
-           "describe_plan", "offload_plan", "remove_offload", "inject_fault"]
+           "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault"]
 
 
 def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: Any) -> Any:
@@ -95,6 +97,17 @@ def offload_plan(module: Any) -> OffloadPlan:
                          f"offload_compile(model, OffloadPolicy(strategy='auto', device_budget_gb=...)) after its "
                          f"first call, or call m.plan(*inputs) first")
     return state.plan
+
+
+def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: Any) -> OffloadPlan:
+    """Plan ``strategy="auto"`` for ``model`` called with ``args``/``kwargs``: nothing runs and no weight
+    moves. Raises `InfeasibleBudgetError` (a ValueError) naming the smallest budget that works. An offloaded
+    model is planned as its own forward, as it would be at its first call."""
+    state = state_of(model)
+    if state is None:
+        return auto.plan_offload(model, policy, *args, **kwargs)
+    with state.lock, state.tracing_through():
+        return auto.plan_offload(compiled_module_of(model), policy, *args, **kwargs)
 
 
 def remove_offload(module: Any) -> Any:

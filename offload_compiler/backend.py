@@ -118,15 +118,18 @@ class Variant:
     num_outputs: int
     remap: dict[int, int] | None = None
     carry_keys: frozenset[int] = frozenset()
+    plan_index: int = 0  # its plan in runtime.graph_plans (a remapped variant moves the same bytes as its base)
 
 
 def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Variant:
     new_gm, num_outputs, plan = rewrite_graph(gm, example_inputs, runtime)
     runtime.graph_plans.append(plan)
+    runtime.plan_calls.append(0)
+    index = len(runtime.graph_plans) - 1
     if runtime.policy.compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        return Variant(compile_fx(new_gm, example_inputs), num_outputs, None, plan.carry_keys)
-    return Variant(new_gm, num_outputs, None, plan.carry_keys)
+        return Variant(compile_fx(new_gm, example_inputs), num_outputs, None, plan.carry_keys, index)
+    return Variant(new_gm, num_outputs, None, plan.carry_keys, index)
 
 
 class GraphRunner:
@@ -152,7 +155,7 @@ class GraphRunner:
         remap = rt.remap_between(passed, self._compiled_ids)
         if remap is not None:  # the same graph over other layers' weights: it carries nothing between calls
             base = self._variants[self._compiled_ids]
-            variant = Variant(base.run, base.num_outputs, remap)
+            variant = Variant(base.run, base.num_outputs, remap, plan_index=base.plan_index)
         else:
             _refuse_foreign_weights(passed, self._compiled_ids, rt)
             variant = _compile_variant(self._gm, list(args), rt)
@@ -172,6 +175,7 @@ class GraphRunner:
             ids = self._ids(args)
             variant = self._variants.get(ids) or self._variant_for(args, ids, rt)
             rt.graph_calls += 1
+            rt.plan_calls[variant.plan_index] += 1
             rt.begin_graph(variant.carry_keys)
             rt.group_remap = variant.remap
             try:

@@ -56,7 +56,8 @@ class OffloadState:
     plan: OffloadPlan | None = None
     classes: list = dataclasses.field(default_factory=list)  # (module, its class before offloading)
     forwards: dict = dataclasses.field(default_factory=dict)  # module -> its _OffloadedForward
-    watched: dict = dataclasses.field(default_factory=dict)  # modules whose hook dicts are watched
+    watched: dict = dataclasses.field(default_factory=dict)  # module -> its own hook dicts (watched copies in use)
+    hooked: list = dataclasses.field(default_factory=list)  # (a module's own hook dict, its size) where not empty
     refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
@@ -71,6 +72,8 @@ class OffloadState:
             raise RuntimeError(OFFLOAD_ENDED)
         if self.refused is not None:
             raise RuntimeError(self.refused)
+        if any(len(hooks) != size for hooks, size in self.hooked):  # handle.remove() of a hook from before
+            raise RuntimeError(HOOKS_REFUSED.format(model=self.name, action="removed"))
 
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
@@ -202,17 +205,24 @@ class _WatchedHooks(collections.OrderedDict):
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
-def _watch_hooks(module: nn.Module, name: str) -> None:
+def _watch_hooks(module: nn.Module, name: str) -> list[dict]:
+    """Swap a module's hook dicts for watched copies; returns the originals, which handles made before
+    offloading still point at (a removal through one of them is noticed at the next call)."""
+    originals = []
     for attr in _HOOK_DICTS:
+        original = getattr(module, attr)
         watched = _WatchedHooks()
         watched.model_name = name
-        collections.OrderedDict.update(watched, getattr(module, attr))
+        for key, hook in original.items():
+            collections.OrderedDict.__setitem__(watched, key, hook)
         module.__dict__[attr] = watched
+        originals.append(original)
+    return originals
 
 
-def _unwatch_hooks(module: nn.Module) -> None:
-    for attr in _HOOK_DICTS:
-        module.__dict__[attr] = collections.OrderedDict(getattr(module, attr))
+def _unwatch_hooks(module: nn.Module, originals: list[dict]) -> None:
+    for attr, original in zip(_HOOK_DICTS, originals):
+        module.__dict__[attr] = original
 
 
 # -- forwards ------------------------------------------------------------------------------------------------
@@ -398,8 +408,8 @@ def _attach(owner: Any, state: OffloadState, modules: list[nn.Module]) -> None:
         module.__dict__[STATE_ATTR] = state
         for sub in module.modules():
             if sub not in state.watched:
-                _watch_hooks(sub, state.name)
-                state.watched[sub] = None
+                state.watched[sub] = _watch_hooks(sub, state.name)
+                state.hooked += [(d, len(d)) for d in state.watched[sub] if d]
 
 
 def offload_module(model: nn.Module, policy: OffloadPolicy) -> OffloadState:
@@ -428,6 +438,7 @@ class PipelineModules(nn.Module):
 def offload_pipeline(pipeline: Any, policy: OffloadPolicy) -> OffloadState:
     modules = PipelineModules(pipeline)
     state = OffloadState(pipeline, policy, build_runtime(modules, policy))
+    state.runtime.model_name = type(pipeline).__name__
     _attach(pipeline, state, list(modules.children()))
     install_forwards(modules, state)
     return state
@@ -441,8 +452,8 @@ def detach(state: OffloadState) -> Any:
             state.runtime.unpack()
         for module in state.forwards:
             module.__dict__.pop("forward", None)
-        for module in state.watched:
-            _unwatch_hooks(module)
+        for module, originals in state.watched.items():
+            _unwatch_hooks(module, originals)
         for module, cls in state.classes:
             module.__class__ = cls
             module.__dict__.pop(STATE_ATTR, None)

@@ -322,6 +322,7 @@ class OffloadRuntime:
                               if (spec := dtensor_spec(s.tensor)) is not None}
         self.graph_plans: list = []
         self.graph_calls = 0
+        self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
         self.group_remap: dict[int, int] | None = None  # per call: compiled group -> group of the weights passed
         self.unmanaged_bytes = 0  # weights in no group: they live on the compute device
         self.ledger = Ledger()
@@ -619,6 +620,7 @@ class OffloadRuntime:
         return "\n".join(lines)
 
     def reset_stats(self) -> None:
+        self.plan_calls = [0] * len(self.plan_calls)
         self.bytes_transferred = 0
         self.fetch_count = 0
         self.carry_hits = 0
