@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
-    from .models import ARCHITECTURES, BUILDERS
+    from .testing.models import ARCHITECTURES, BUILDERS
     if spec in BUILDERS or spec in ARCHITECTURES:
         try:
             model, inputs = (BUILDERS.get(spec) or ARCHITECTURES[spec])()
@@ -74,7 +74,7 @@ def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
     else:
         if ":" not in spec:
             raise SystemExit(f"--model {spec!r}: expected pkg.module:fn or one of {sorted(BUILDERS)}, or an "
-                             f"architecture of offload_compiler.models.ARCHITECTURES: {sorted(ARCHITECTURES)}")
+                             f"architecture of offload_compiler.testing.models.ARCHITECTURES: {sorted(ARCHITECTURES)}")
         module_name, fn_name = spec.split(":", 1)
         sys.path.insert(0, os.getcwd())
         try:

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from offload_compiler import (InfeasibleBudgetError, OffloadPolicy, offload_compile, offload_plan, offload_stats,
                               plan_offload)
-from offload_compiler.models import llama
+from offload_compiler.testing.models import llama
 from offload_compiler.passes.schedule import Use
 from offload_compiler.planner import (Choice, CostTable, GroupCost, minimum_budget, predict, solve,
                                       solve_brute_force)

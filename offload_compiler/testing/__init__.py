@@ -21,9 +21,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._tree import tensors_of, to_device
-from .api import offload_compile, offload_stats
-from .policy import OffloadPolicy
+from .._tree import tensors_of, to_device
+from ..api import offload_compile, offload_stats
+from ..policy import OffloadPolicy
 
 GENERIC_STRATEGIES = ("none", "sequential", "layerwise", "budget")
 
