@@ -5,7 +5,7 @@ from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile,
                   release_device_copies, remove_offload, reset_offload_stats)
 from .auto import OffloadPlan, offload_plan, plan_offload
 from .backend import omni_offload
-from .planner import InfeasibleBudgetError
+from .planning.planner import InfeasibleBudgetError
 from .policy import OffloadPolicy
 from .runtime import OffloadStats
 

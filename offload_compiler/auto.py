@@ -15,9 +15,9 @@ from torch import nn
 
 from . import backend
 from .api import RECOMPILE_LIMIT, OffloadedModule, offload_forwards
-from .costmodel import DeviceRates, build_table, device_rates
+from .planning.costmodel import DeviceRates, build_table, device_rates
 from .grouping import GroupSpec, plan_groups
-from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
+from .planning.planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from .policy import OffloadPolicy
 from .runtime import OffloadRuntime
 
@@ -188,7 +188,7 @@ class OffloadPlan:
         return "\n".join(lines)
 
     def save_plots(self, directory: str) -> list[str]:
-        from .plots import save_plan_plots  # matplotlib is optional
+        from .planning.plots import save_plan_plots  # matplotlib is optional
         return save_plan_plots(self, directory)
 
 

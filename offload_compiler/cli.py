@@ -23,7 +23,7 @@ import torch
 from ._tree import tensors_of, to_device
 from .api import describe_plan, offload_compile, offload_stats, reset_offload_stats
 from .auto import offload_plan
-from .planner import InfeasibleBudgetError
+from .planning.planner import InfeasibleBudgetError
 from .config import load_stage_configs, policy_from_engine_args, warn_user
 from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
 

@@ -13,7 +13,7 @@ import torch
 log = logging.getLogger("offload_compiler")
 
 IMPLEMENTED_STRATEGIES = ("none", "sequential", "layerwise", "budget", "alternating", "model")
-PLANNER_STRATEGIES = ("auto",)  # chosen by offload_compiler.planner, not by a fixed rule
+PLANNER_STRATEGIES = ("auto",)  # chosen by offload_compiler.planning.planner, not by a fixed rule
 COMPONENT_STRATEGIES = ("alternating", "model")
 COMPILERS = ("eager", "inductor")
 GIB = 1 << 30
