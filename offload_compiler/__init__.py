@@ -3,9 +3,9 @@ explicit nodes of the model's graph (eager or inductor)."""
 
 from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_plan, offload_stats,
                   plan_offload, release_device_copies, remove_offload, reset_offload_stats)
-from .auto import OffloadPlan
+from .planning.auto import OffloadPlan
 from .offloaded import omni_offload
-from .planner import InfeasibleBudgetError
+from .planning.planner import InfeasibleBudgetError
 from .policy import OffloadPolicy
 from .runtime import OffloadStats
 

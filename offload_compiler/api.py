@@ -9,8 +9,8 @@ from typing import Any
 from torch import nn
 
 from ._dynamo import compiled_module_of
-from . import auto
-from .auto import OffloadPlan
+from .planning import auto
+from .planning.auto import OffloadPlan
 from .offloaded import OffloadState, OffloadedModule, detach, offload_module, offload_pipeline, state_of
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats

@@ -35,7 +35,7 @@ from torch import nn
 
 from ._dynamo import compiled_module_of, is_tracing_error, model_error, recompile_limits, skipped_frames, \
     traced_module
-from .auto import OffloadPlan, plan_offload, planned_runtime
+from .planning.auto import OffloadPlan, plan_offload, planned_runtime
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
 from .grouping import plan_groups
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy

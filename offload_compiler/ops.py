@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from .runtime import runtime_by_id
+from ._registry import runtime_by_id
 
 NAMESPACE = "offload_compiler"
 
@@ -24,7 +24,7 @@ def _fake_buffers(runtime: int, group: int) -> list[torch.Tensor]:
 @custom_op(f"{NAMESPACE}::prefetch", mutates_args=())
 def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor], mode: int = 0) -> torch.Tensor:
     """Start copying ``group`` to the device (asynchronously on an accelerator); returns a token. ``mode``:
-    `runtime.FETCH`, `runtime.ADOPT` or `runtime.CARRY` (see `OffloadRuntime.prefetch`)."""
+    `passes.schedule.FETCH`, `ADOPT` or `CARRY` (see `OffloadRuntime.prefetch`)."""
     runtime_by_id(runtime).prefetch(key, group, mode)
     return _token()
 

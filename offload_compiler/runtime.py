@@ -16,26 +16,18 @@ from typing import Callable
 
 import torch
 
+from ._registry import _RUNTIMES
 from .distributed import dtensor_spec, is_dtensor, local_of, set_local
 from .grouping import GroupSpec
+from .passes.schedule import ADOPT, CARRY, FETCH
 from .policy import OffloadPolicy
 
 log = logging.getLogger("offload_compiler")
 
-_RUNTIMES: "weakref.WeakValueDictionary[int, OffloadRuntime]" = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count(1)
 
 
-# prefetch modes (`ops.prefetch`): copy now; take the copy the previous call carried, else copy; carry to the next
-FETCH, ADOPT, CARRY = 0, 1, 2
 CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
-
-
-def runtime_by_id(runtime_id: int) -> "OffloadRuntime":
-    runtime = _RUNTIMES.get(runtime_id)
-    if runtime is None:
-        raise RuntimeError(f"offload runtime {runtime_id} no longer exists (its model was garbage-collected)")
-    return runtime
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from offload_compiler import OffloadedModule, OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
-from offload_compiler.models import llama
+from offload_compiler.testing.models import llama
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, build_block_model
 
 

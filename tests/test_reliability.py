@@ -360,7 +360,7 @@ def test_a_device_budget_below_what_any_plan_needs_states_the_figure_and_touches
 
 def test_generate_and_the_original_object_run_offloaded():
     from offload_compiler import reset_offload_stats
-    from offload_compiler.models import llama
+    from offload_compiler.testing.models import llama
     model, inputs = llama()
     plain = __import__("copy").deepcopy(model)
     m = offload_compile(model, strategy="layerwise", **CPU)

@@ -12,7 +12,7 @@ from torch import nn
 
 from offload_compiler import (OffloadedModule, OffloadPolicy, inject_fault, offload_compile, offload_stats,
                               remove_offload, reset_offload_stats)
-from offload_compiler.models import _diffusion_parts, llama, unet
+from offload_compiler.testing.models import _diffusion_parts, llama, unet
 from offload_compiler.testing import assert_traffic_matches_plan
 
 COMPILERS = ["eager", "inductor"]

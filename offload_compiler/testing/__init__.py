@@ -21,11 +21,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._tree import tensors_of, to_device
-from .api import offload_compile, offload_stats
-from .offloaded import state_of
-from .runtime import OffloadStats
-from .policy import OffloadPolicy
+from .._tree import tensors_of, to_device
+from ..api import offload_compile, offload_stats
+from ..offloaded import state_of
+from ..policy import OffloadPolicy
+from ..runtime import OffloadStats
 
 GENERIC_STRATEGIES = ("none", "sequential", "layerwise", "budget")
 

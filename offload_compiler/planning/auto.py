@@ -14,13 +14,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._dynamo import is_graph_break, recompile_limits
-from .backend import build_runtime
+from .._dynamo import is_graph_break, recompile_limits
+from ..backend import build_runtime
 from .costmodel import DeviceRates, build_table, device_rates
-from .grouping import GroupSpec, plan_groups
+from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
-from .policy import OffloadPolicy
-from .runtime import OffloadRuntime
+from ..policy import OffloadPolicy
+from ..runtime import OffloadRuntime
 
 BLOCKS_PER_GROUP_CANDIDATES = (1, 2, 4)
 WARMUP_CALLS = 2  # the first compiles, the second still pays lazy initialisation
