@@ -225,3 +225,31 @@ def test_ten_thousand_forwards_leave_the_context_and_memory_where_they_were():
     gc.collect()
     assert len(contextvars.copy_context()) == context
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 20 * 1024  # < 20 MiB over 10,000 calls
+
+
+class Layouts(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Conv2d(4, 4, 3, padding=1), nn.Linear(8, 8)])
+        self.blocks[0].weight.data = self.blocks[0].weight.data.to(memory_format=torch.channels_last)
+        self.blocks[1].weight.data = torch.randn(8, 8).t()  # a transposed view's layout
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_remove_offload_gives_every_weight_its_strides_back():
+    model = Layouts().eval()
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        expected = model(x)
+    strides = {name: p.stride() for name, p in model.named_parameters()}
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    torch.testing.assert_close(m(x), expected)  # the fetched copies are contiguous: other kernels, other rounding
+    plain = remove_offload(m)
+    assert {name: p.stride() for name, p in plain.named_parameters()} == strides
+    assert plain.blocks[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(p, values[name]) for name, p in plain.named_parameters())
