@@ -227,3 +227,11 @@ def test_cli_auto_says_which_offload_settings_it_ignores():
                                          r"'cpu_offload_enabled', 'prefetch'\]"):
         policy = policy_from_args(args)
     assert policy.strategy == "auto" and policy.device_budget_gb == 1.0 and policy.pin_memory is False
+
+
+def test_load_stage_configs_is_importable_from_the_package():
+    import offload_compiler
+    from offload_compiler import load_stage_configs as top_level
+
+    assert top_level is load_stage_configs
+    assert "load_stage_configs" in offload_compiler.__all__
