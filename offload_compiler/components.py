@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import warnings
 from typing import Iterable
@@ -59,10 +60,18 @@ def resolve(model: nn.Module, names: Iterable[str] | None) -> list[str]:
         hits = _outermost(p for p in paths if _matches(p, name))
         if not hits:
             known = discover(model)
-            raise ValueError(f"unknown component {name!r} in {type(model).__name__}; components that exist: "
-                             f"{known or 'none of the known names'}; top-level modules: {_top(model)}")
+            raise ValueError(f"unknown component {name!r} in {type(model).__name__}{_did_you_mean(name, paths)}; "
+                             f"components that exist: {known or 'none of the known names'}; top-level modules: "
+                             f"{_top(model)}")
         chosen.extend(h for h in hits if h not in chosen)
     return chosen
+
+
+def _did_you_mean(name: str, paths: list[str]) -> str:
+    """`` (did you mean 'blocks'?)`` for the module name or path closest to a misspelt ``name``, else ``""``."""
+    candidates = sorted({path.rsplit(".", 1)[-1] for path in paths} | set(paths))
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _top(model: nn.Module) -> list[str]:

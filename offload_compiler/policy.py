@@ -116,6 +116,10 @@ class OffloadPolicy:
     keep_after_use: bool = True
     prefetch_next_call: bool = False
 
+    def __new__(cls, *args: Any, **fields: Any) -> "OffloadPolicy":
+        _refuse_unknown_fields(cls, fields)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if not isinstance(self.strategy, str):
@@ -224,6 +228,16 @@ class OffloadPolicy:
         if unknown:
             raise ValueError(f"unknown omni_offload option(s) {unknown}; valid options are {sorted(fields)} or 'policy'")
         return cls(**options)
+
+
+def _refuse_unknown_fields(cls: type, fields: Mapping[str, Any]) -> None:
+    """A TypeError naming the closest field for a misspelt keyword (``prefech=2``: did you mean 'prefetch'?)."""
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    for name in fields:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the fields are {known}"
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}; {hint}")
 
 
 def _validate_device(device: Any) -> torch.device:

@@ -187,3 +187,11 @@ def test_remove_offload_restores_components_called_on_their_own():
     pipe = remove_offload(pipe)
     assert not hasattr(pipe, "_offload_runtime") and "forward" not in pipe.transformer.__dict__
     assert torch.equal(pipe(**kwargs), expected)
+
+
+def test_a_misspelt_component_gets_the_closest_name():
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    model.head = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="unknown component 'blokcs'.*did you mean 'blocks'"):
+        resolve(model, ["blokcs"])

@@ -89,3 +89,22 @@ def test_from_options():
         OffloadPolicy.from_options({"stratgy": "layerwise"})
     with pytest.raises(ValueError, match="must be an OffloadPolicy"):
         OffloadPolicy.from_options({"policy": {"strategy": "layerwise"}})
+
+
+@pytest.mark.parametrize("build", [lambda: OffloadPolicy(prefech=2),
+                                   lambda: OffloadPolicy(device="cpu").replace(prefech=2)])
+def test_a_misspelt_keyword_names_the_closest_field(build):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefech'; did you mean 'prefetch'"):
+        build()
+
+
+def test_an_unknown_keyword_with_no_close_field_lists_the_fields():
+    with pytest.raises(TypeError, match="'zzz'; the fields are .*'prefetch'"):
+        OffloadPolicy(zzz=1)
+
+
+def test_every_field_still_passes_as_a_keyword():
+    import dataclasses
+    policy = OffloadPolicy(strategy="sequential", device="cpu", prefetch=2)
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+    assert OffloadPolicy(**fields) == policy == dataclasses.replace(policy)
