@@ -4,17 +4,19 @@
 budget; the plan then prints as the planner's table (``--json`` as its dict, ``--plots DIR`` as PNGs).
 
 ``fn()`` returns ``(model, inputs)``: inputs a tuple of positional arguments or a dict of keyword arguments.
-``--model`` may also name a built-in tiny architecture (llama, gpt2, qwen2, dit, flux, unet)."""
+``--model`` may also name a built-in tiny model with random weights (listed below)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
+import difflib
 import importlib
 import json
 import os
 import sys
+import textwrap
 import warnings
 from typing import Any, Sequence
 
@@ -22,26 +24,43 @@ import torch
 
 from ._tree import tensors_of, to_device
 from .api import describe_plan, offload_compile, offload_plan, offload_stats, reset_offload_stats
+from .offloaded import state_of
 from .planning.planner import InfeasibleBudgetError
 from .config import load_stage_configs, policy_from_engine_args, warn_user
 from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
 
 
+def builtin_model_names() -> list[str]:
+    """Every name ``--model`` takes besides ``pkg.module:fn``: the builders and the architecture matrix."""
+    from .testing.models import ARCHITECTURES, BUILDERS
+    return sorted(set(BUILDERS) | set(ARCHITECTURES))
+
+
+def _models_epilog() -> str:
+    names = builtin_model_names()
+    return f"built-in models for --model ({len(names)}):\n" + textwrap.fill(", ".join(names), width=100,
+                                                                            initial_indent="  ", subsequent_indent="  ")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload-compiler", description=__doc__,
+    epilog = _models_epilog()
+    parser = argparse.ArgumentParser(prog="offload-compiler", description=__doc__, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("plan", "capture the model (one forward) and print the groups, bytes, residency and "
                                  "predicted peak"),
                         ("run", "also run the model, print the stats and check outputs against the plain model")):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("--model", required=True, help="pkg.module:fn returning (model, inputs), or a built-in name")
+        p = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--model", required=True, help="pkg.module:fn returning (model, inputs), or a built-in "
+                                                     "model name (listed at the end)")
         p.add_argument("--device", help="compute device (default: cuda when available, else cpu)")
         p.add_argument("--strategy", choices=IMPLEMENTED_STRATEGIES + ("auto",))
         p.add_argument("--device-budget-gb", help="strategy auto: GiB of device memory for weights and activations, "
                                                   "or 'free' (free memory now minus --budget-margin-gb)")
         p.add_argument("--budget-margin-gb", type=float)
-        p.add_argument("--plots", metavar="DIR", help="strategy auto: save timeline.png and residency.png")
+        p.add_argument("--plots", metavar="DIR", help="save plots: residency.png (device weights along each graph, verified plan and ledger "
+                            "peak); with strategy auto also timeline.png (predicted transfers vs compute)")
         p.add_argument("--calls", type=int, default=2, help="calls to run (auto times calls 3 to 5 for the plan)")
         p.add_argument("--prefetch", type=int)
         p.add_argument("--prefetch-next-call", action="store_true", default=None,
@@ -72,8 +91,10 @@ def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
             raise SystemExit(f"--model {spec!r}: the installed transformers/diffusers cannot build it: {exc}") from None
     else:
         if ":" not in spec:
-            raise SystemExit(f"--model {spec!r}: expected pkg.module:fn or one of {sorted(BUILDERS)}, or an "
-                             f"architecture of offload_compiler.testing.models.ARCHITECTURES: {sorted(ARCHITECTURES)}")
+            close = difflib.get_close_matches(spec, builtin_model_names(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise SystemExit(f"--model {spec!r}: {hint}expected pkg.module:fn or a built-in model: "
+                             f"{', '.join(builtin_model_names())}")
         module_name, fn_name = spec.split(":", 1)
         sys.path.insert(0, os.getcwd())
         try:
@@ -167,12 +188,91 @@ def policy_from_args(args: argparse.Namespace) -> OffloadPolicy:
     return policy_from_engine_args(engine, where)
 
 
+# the library's keyword arguments, as the command line spells them
+CLI_SPELLING = {"components=[...]": "--cpu-offload-components a,b (or cpu_offload_components in the stage config)"}
+
+
+def _error(exc: Exception) -> str:
+    """The library's error message, with its keyword arguments named as the command line's flags."""
+    message = str(exc)
+    for keyword, flag in CLI_SPELLING.items():
+        message = message.replace(keyword, flag)
+    return f"error: {message}"
+
+
+def pinning_note(policy: OffloadPolicy, runtime: Any) -> str | None:
+    """Why ``pin_memory=True`` gave ``pinned=False`` (None when it did not)."""
+    if runtime is None or not policy.pin_memory or runtime.pinned:
+        return None
+    if runtime.device.type == "cpu":
+        return ("pin_memory=True but pinned=False: the compute device is the cpu (no accelerator); pinned memory "
+                "only speeds up copies to an accelerator, so there is nothing to pin")
+    return ("pin_memory=True but pinned=False: pinned host memory was unavailable (see the warning); weights stay "
+            "in pageable host memory")
+
+
+def runtime_plan_dict(runtime: Any) -> dict[str, Any]:
+    """The plan of an offloaded model as data: each group's bytes and residency, each graph's fetches and
+    verified peak (what ``describe_plan`` prints)."""
+    policy = runtime.policy
+    groups = [{"index": g.index, "name": g.name, "bytes": g.nbytes, "residency": "streamed" if g.streamed else
+               "resident"} for g in runtime.groups]
+    graphs = [{"nodes": plan.num_nodes, "fetches_per_call": plan.verified.fetches,
+               "predicted_peak_bytes": plan.verified.peak_bytes, "resident_bytes": plan.verified.resident_bytes,
+               "streamed_peak_bytes": plan.verified.streamed_peak_bytes, "carried_bytes": plan.verified.carried_bytes}
+              for plan in runtime.graph_plans]
+    return {"model": runtime.model_name, "strategy": policy.strategy, "device": str(runtime.device),
+            "prefetch": policy.prefetch, "prefetch_next_call": policy.prefetch_next_call,
+            "compiler": policy.compiler, "pinned": runtime.pinned, "groups": groups, "graphs": graphs,
+            "total_bytes": runtime.total_bytes, "unmanaged_bytes": runtime.unmanaged_bytes}
+
+
+def _save_plots(directory: str, plan: Any, runtime: Any) -> None:
+    from .planning.plots import save_runtime_plots
+    paths = plan.save_plots(directory) if plan is not None else save_runtime_plots(runtime, directory)
+    for path in paths:
+        print(f"saved {path}", file=sys.stderr)
+
+
+def _call(model: Any, inputs: tuple, kwargs: dict) -> Any:
+    with torch.no_grad():
+        return model(*inputs, **kwargs)
+
+
+def _equivalence(out: Any, expected: Any) -> dict[str, Any]:
+    diffs = [(a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+             for a, b in zip(tensors_of(out), tensors_of(expected)) if a.is_floating_point()]
+    worst = max(diffs, default=0.0)
+    same = len(tensors_of(out)) == len(tensors_of(expected)) and worst <= 1e-4
+    return {"max_abs_diff": worst, "equal": same}
+
+
+def _run(args: argparse.Namespace, offloaded: Any, plain: Any, inputs: tuple, kwargs: dict,
+         report: dict[str, Any]) -> bool:
+    """``run``: the remaining calls, the stats of the last one and the comparison with the plain model; False
+    when the outputs differ."""
+    for _ in range(max(args.calls - 1, 1)):
+        reset_offload_stats(offloaded)
+        out = _call(offloaded, inputs, kwargs)
+    stats = offload_stats(offloaded)
+    report["stats"] = dataclasses.asdict(stats)
+    if not args.json:
+        print(f"stats (one call): {stats}")
+    if plain is None:
+        return True
+    report["equivalence"] = _equivalence(out, _call(plain.to(state_of(offloaded).runtime.device), inputs, kwargs))
+    if not args.json:
+        print(f"outputs equal the plain model: {report['equivalence']['equal']} "
+              f"(max abs diff {report['equivalence']['max_abs_diff']:.2e})")
+    return report["equivalence"]["equal"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         policy = policy_from_args(args)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise SystemExit(_error(exc)) from None
     model, inputs, kwargs = load_model(args.model)
     model.eval()
     device = policy.torch_device
@@ -181,47 +281,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         offloaded = offload_compile(model, policy)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise SystemExit(_error(exc)) from None
     try:
-        with torch.no_grad():
-            out = offloaded(*inputs, **kwargs)
+        _call(offloaded, inputs, kwargs)
     except InfeasibleBudgetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    auto = policy.strategy == "auto"
-    report: dict[str, Any] = {"policy": {k: v for k, v in vars(policy).items()}}
-    if args.command == "run":
-        for _ in range(max(args.calls - 1, 1)):
-            reset_offload_stats(offloaded)
-            with torch.no_grad():
-                out = offloaded(*inputs, **kwargs)
-        stats = offload_stats(offloaded)
-        report["stats"] = dataclasses.asdict(stats)
-        if not args.json:
-            print(f"stats (one call): {stats}")
-        if plain is not None:
-            with torch.no_grad():
-                expected = plain.to(device)(*inputs, **kwargs)
-            diffs = [(a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-                     for a, b in zip(tensors_of(out), tensors_of(expected)) if a.is_floating_point()]
-            worst = max(diffs, default=0.0)
-            same = len(tensors_of(out)) == len(tensors_of(expected)) and worst <= 1e-4
-            report["equivalence"] = {"max_abs_diff": worst, "equal": same}
-            if not args.json:
-                print(f"outputs equal the plain model: {same} (max abs diff {worst:.2e})")
-            if not same:
-                if args.json:
-                    print(json.dumps(report, default=str))
-                return 1
-    plan = offload_plan(offloaded) if auto else None
-    if plan is not None and args.plots:
-        for path in plan.save_plots(args.plots):
-            print(f"saved {path}", file=sys.stderr)
+    report: dict[str, Any] = {"policy": dict(vars(policy))}
+    if args.command == "run" and not _run(args, offloaded, plain, inputs, kwargs, report):
+        if args.json:
+            print(json.dumps(report, default=str))
+        return 1
+    runtime = state_of(offloaded).runtime
+    plan = offload_plan(offloaded) if policy.strategy == "auto" else None
+    if args.plots:
+        _save_plots(args.plots, plan, runtime)
+    note = pinning_note(policy, runtime)
     if args.json:
-        report["plan"] = plan.to_dict() if plan is not None else describe_plan(offloaded)
+        report["plan"] = plan.to_dict() if plan is not None else runtime_plan_dict(runtime)
+        report["pinning"] = note
         print(json.dumps(report, default=str))
     else:
         print(plan if plan is not None else describe_plan(offloaded))
+        if note:
+            print(note)
     return 0
 
 

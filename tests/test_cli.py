@@ -1,0 +1,78 @@
+"""The command line as a new user meets it: --help, --json, --plots for every strategy, the words of its notes
+and errors. Each test runs the tiny llama (a few seconds)."""
+
+import json
+
+import pytest
+import torch
+
+from offload_compiler import OffloadPolicy, offload_compile
+from offload_compiler.cli import builtin_model_names, main
+from offload_compiler.offloaded import state_of
+from offload_compiler.testing.models import ARCHITECTURES, BUILDERS, llama
+
+PLAN_LLAMA = ["plan", "--model", "llama", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["plan", "--help"]])
+def test_help_lists_every_builtin_model(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    assert len(builtin_model_names()) >= 34 + len(BUILDERS)
+    assert all(name in shown for name in {*BUILDERS, *ARCHITECTURES})
+
+
+def test_json_gives_the_plan_of_a_fixed_strategy_as_data(capsys):
+    assert main(PLAN_LLAMA + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = report["plan"]
+    assert plan["strategy"] == "layerwise" and plan["pinned"] is False
+    assert [g["name"] for g in plan["groups"]][:3] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert all(g["bytes"] > 0 and g["residency"] in ("streamed", "resident") for g in plan["groups"][:3])
+    (graph,) = plan["graphs"]
+    assert graph["fetches_per_call"] == len(plan["groups"])
+    assert 0 < graph["predicted_peak_bytes"] <= plan["total_bytes"]
+    assert "no accelerator" in report["pinning"]
+
+
+def test_text_plan_says_why_nothing_is_pinned_and_plots_any_strategy(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(PLAN_LLAMA + ["--plots", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "pinned=False" in captured.out
+    assert "pin_memory=True but pinned=False: the compute device is the cpu (no accelerator)" in captured.out
+    assert (tmp_path / "residency.png").stat().st_size > 0 and f"saved {tmp_path / 'residency.png'}" in captured.err
+
+
+def test_no_pinning_note_when_pin_memory_is_off(capsys):
+    assert main(PLAN_LLAMA + ["--no-cpu-offload-pin-memory"]) == 0
+    assert "pin_memory=True" not in capsys.readouterr().out
+
+
+def test_component_error_names_the_command_line_flag():
+    with pytest.raises(SystemExit) as exit_:
+        main(PLAN_LLAMA + ["--cpu-offload-enabled"])
+    message = str(exit_.value.code)
+    assert "--cpu-offload-components" in message and "components=[...]" not in message
+
+
+def test_the_residency_plot_follows_the_verified_plan(tmp_path):
+    pytest.importorskip("matplotlib")
+    from offload_compiler.planning.plots import live_bytes, save_runtime_plots
+    model, inputs = llama()
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", prefetch=1))
+    with torch.no_grad():
+        m(**inputs)
+    runtime = state_of(m).runtime
+    (plan,) = runtime.graph_plans
+    live = live_bytes(plan.schedule, [g.nbytes for g in runtime.groups], plan.verified.resident_bytes,
+                      plan.num_nodes)
+    assert max(live) == plan.verified.peak_bytes == runtime.ledger.peak
+    assert save_runtime_plots(runtime, str(tmp_path)) == [str(tmp_path / "residency.png")]
+
+
+def test_a_misspelt_model_name_gets_the_closest_one():
+    with pytest.raises(SystemExit, match="--model 'lama': did you mean 'llama'"):
+        main(["plan", "--model", "lama", "--device", "cpu"])
