@@ -88,7 +88,10 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
 
 def assign_slots(gm: fx.GraphModule, class_of: Callable[[int], tuple]) -> dict[int, tuple[int, int]]:
     """fetch key -> (group, slot index within its group's size class)."""
-    events = slot_events(gm)
+    return plan_slots(slot_events(gm), class_of)
+
+
+def plan_slots(events: Events, class_of: Callable[[int], tuple]) -> dict[int, tuple[int, int]]:
     dedicated: set[int] = set()
     while True:
         try:
