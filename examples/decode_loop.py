@@ -14,7 +14,7 @@ import time
 import torch
 
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats, release_device_copies, reset_offload_stats
-from offload_compiler.models import llama
+from offload_compiler.testing.models import llama
 
 
 def main() -> None:

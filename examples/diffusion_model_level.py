@@ -10,7 +10,7 @@ import logging
 import torch
 
 from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats
-from offload_compiler.models import diffusion_container, diffusion_pipeline
+from offload_compiler.testing.models import diffusion_container, diffusion_pipeline
 
 
 def main() -> None:

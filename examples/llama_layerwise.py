@@ -12,7 +12,7 @@ import time
 import torch
 
 from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats, reset_offload_stats
-from offload_compiler.models import llama
+from offload_compiler.testing.models import llama
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats
-from offload_compiler.omni_models import omni_full_with_inputs, omni_thinker, run_stages
+from offload_compiler.testing.omni_models import omni_full_with_inputs, omni_thinker, run_stages
 
 
 def mib(n: int) -> str:

@@ -7,7 +7,7 @@ Each rank offloads only what it holds: with tensor parallelism (torch.distribute
 Megatron-style MLPs) each rank streams its local shards, and the all-reduces stay in the graph, in order with
 the transfers; with pipeline parallelism each rank offloads its own stage and microbatches flow by send/recv.
 Every rank checks its outputs against the unsharded model and prints its own ledger and plan. The code run
-by each rank is `offload_compiler._two_ranks` (tensor_parallel / pipeline_parallel). On GPUs, use the
+by each rank is `offload_compiler.testing.two_ranks` (tensor_parallel / pipeline_parallel). On GPUs, use the
 ``nccl`` backend, a ``"cuda"`` mesh and ``OffloadPolicy(device=f"cuda:{rank}")``.
 """
 
@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 
-from offload_compiler._two_ranks import spawn
+from offload_compiler.testing.two_ranks import spawn
 
 
 def main() -> None:

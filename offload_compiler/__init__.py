@@ -1,11 +1,11 @@
 """offload_compiler: run PyTorch models whose weights live in host memory, with weight transfers as
 explicit nodes of the model's graph (eager or inductor)."""
 
-from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_stats,
-                  release_device_copies, remove_offload, reset_offload_stats)
-from .auto import OffloadPlan, offload_plan, plan_offload
-from .backend import omni_offload
-from .planner import InfeasibleBudgetError
+from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_plan, offload_stats,
+                  plan_offload, release_device_copies, remove_offload, reset_offload_stats)
+from .planning.auto import OffloadPlan
+from .offloaded import omni_offload
+from .planning.planner import InfeasibleBudgetError
 from .policy import OffloadPolicy
 from .runtime import OffloadStats
 

@@ -1,14 +1,12 @@
-"""The dynamo backend: capture → schedule → insert transfers → verify → run eagerly or with inductor.
+"""The graph engine: a captured graph → schedule → insert transfers → verify → run eagerly or with inductor.
 
-`omni_offload` is registered with torch through the ``torch_dynamo_backends`` entry point, so
-``torch.compile(model, backend="omni_offload", options={...})`` works without importing this package.
+`RuntimeBackend` is the dynamo backend of one offloaded model; the public ``omni_offload`` backend
+(`offload_compiler.offloaded`) offloads the model in place and then uses the same engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import sys
 import traceback
 import weakref
 from typing import Any, Callable
@@ -18,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import ops  # noqa: F401  (registers the transfer ops)
-from .grouping import plan_groups
+from .grouping import GroupSpec, plan_groups
 from .passes.analysis import collect_uses, weight_inputs
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
@@ -27,10 +25,9 @@ from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime, size_class
 
-OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back, or it was offloaded again; call the "
-                 "module remove_offload or the latest offload_compile returned")
+OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
+                 "offload_compile(model, policy)")
 MAX_VARIANTS = 1024  # per captured graph: weight sets it was called with (one per layer for a reused layer graph)
-_MODULE_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, OffloadRuntime]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +54,11 @@ def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, m
         tensor.data = tensor.data.to(device)
 
 
-def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True) -> OffloadRuntime:
-    specs = plan_groups(model, policy)
+def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True,
+                  specs: list[GroupSpec] | None = None) -> OffloadRuntime:
+    """The runtime of ``model`` under ``policy`` (groups from `plan_groups` unless a planner chose ``specs``):
+    grouped weights packed into host buffers (now, or at their first fetch), the others moved to the device."""
+    specs = plan_groups(model, policy) if specs is None else specs
     _unmanaged_to_device(model, specs, policy, move=pack_now)
     runtime = OffloadRuntime(policy, specs, type(model).__name__, pack_now)
     managed = {id(w.tensor) for spec in specs for w in spec.weights}
@@ -67,23 +67,7 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
         if id(tensor) not in managed and id(tensor) not in seen:
             seen.add(id(tensor))
             runtime.unmanaged_bytes += tensor.numel() * tensor.element_size()
-    _MODULE_RUNTIMES[model] = runtime
     return runtime
-
-
-def forget_runtime(model: nn.Module) -> None:
-    _MODULE_RUNTIMES.pop(model, None)
-
-
-def runtime_of(module: Any) -> OffloadRuntime | None:
-    runtime = getattr(module, "_offload_runtime", None)
-    if runtime is not None:
-        return runtime
-    orig = getattr(module, "_orig_mod", None)
-    for candidate in (module, orig):
-        if isinstance(candidate, nn.Module) and candidate in _MODULE_RUNTIMES:
-            return _MODULE_RUNTIMES[candidate]
-    return None
 
 
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime
@@ -141,15 +125,18 @@ class Variant:
     num_outputs: int
     remap: dict[int, int] | None = None
     carry_keys: frozenset[int] = frozenset()
+    plan_index: int = 0  # its plan in runtime.graph_plans (a remapped variant moves the same bytes as its base)
 
 
 def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Variant:
     new_gm, num_outputs, plan = rewrite_graph(gm, example_inputs, runtime)
     runtime.graph_plans.append(plan)
+    runtime.plan_calls.append(0)
+    index = len(runtime.graph_plans) - 1
     if runtime.policy.compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        return Variant(compile_fx(new_gm, example_inputs), num_outputs, None, plan.carry_keys)
-    return Variant(new_gm, num_outputs, None, plan.carry_keys)
+        return Variant(compile_fx(new_gm, example_inputs), num_outputs, None, plan.carry_keys, index)
+    return Variant(new_gm, num_outputs, None, plan.carry_keys, index)
 
 
 class GraphRunner:
@@ -175,7 +162,7 @@ class GraphRunner:
         remap = rt.remap_between(passed, self._compiled_ids)
         if remap is not None:  # the same graph over other layers' weights: it carries nothing between calls
             base = self._variants[self._compiled_ids]
-            variant = Variant(base.run, base.num_outputs, remap)
+            variant = Variant(base.run, base.num_outputs, remap, plan_index=base.plan_index)
         else:
             _refuse_foreign_weights(passed, self._compiled_ids, rt)
             variant = _compile_variant(self._gm, list(args), rt)
@@ -195,6 +182,7 @@ class GraphRunner:
             ids = self._ids(args)
             variant = self._variants.get(ids) or self._variant_for(args, ids, rt)
             rt.graph_calls += 1
+            rt.plan_calls[variant.plan_index] += 1
             rt.begin_graph(variant.carry_keys)
             rt.group_remap = variant.remap
             try:
@@ -223,51 +211,3 @@ def _refuse_foreign_weights(passed: list, compiled_ids: tuple, rt: OffloadRuntim
                 f"p.data = new_tensor, or load_state_dict, instead of a new nn.Parameter), or this is another "
                 f"{rt.model_name} sharing dynamo's compiled code through torch.compile(backend='omni_offload'): use "
                 f"offload_compiler.offload_compile(model, policy) for each model, or torch._dynamo.reset() between them")
-
-
-_LOCAL = re.compile(r"^([LG])\['([^']+)'\]")
-
-
-def _root_module(gm: fx.GraphModule) -> nn.Module | None:
-    """The module dynamo is tracing, found from a weight's source name and the frame being compiled."""
-    names = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get("grapharg") is not None:
-            match = _LOCAL.match(node.meta["grapharg"].source.name)
-            if match and ("._parameters[" in node.meta["grapharg"].source.name
-                          or "._buffers[" in node.meta["grapharg"].source.name):
-                names.append(match.groups())
-    if not names:
-        return None
-    scope, name = max(set(names), key=names.count)
-    frame = sys._getframe()
-    while frame is not None:
-        traced = frame.f_locals.get("frame")
-        if traced is not None and hasattr(traced, "f_locals") and hasattr(traced, "f_globals"):
-            root = (traced.f_locals if scope == "L" else traced.f_globals).get(name)
-            if isinstance(root, nn.Module):
-                return root
-        frame = frame.f_back
-    return None
-
-
-def _runtime_for(gm: fx.GraphModule, example_inputs: list, policy: OffloadPolicy) -> OffloadRuntime:
-    root = _root_module(gm)
-    if root is None:
-        raise RuntimeError(
-            "omni_offload could not find the nn.Module being compiled (its weights must be module parameters or "
-            "buffers); use offload_compiler.offload_compile(model, policy) instead")
-    runtime = _MODULE_RUNTIMES.get(root)
-    if runtime is None or runtime.policy != policy:
-        # packing changes the weights' storage offsets, which the graph being compiled was traced with
-        runtime = build_runtime(root, policy, pack_now=False)
-    return runtime
-
-
-def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_: Any) -> Callable:
-    """``torch.compile(model, backend="omni_offload", options={"strategy": ..., ...} | {"policy": policy})``."""
-    policy = OffloadPolicy.from_options(options)
-    if policy.strategy == "auto":
-        raise ValueError("strategy='auto' plans before compiling: use offload_compiler.offload_compile(model, "
-                         "OffloadPolicy(strategy='auto', device_budget_gb=...)) instead of torch.compile")
-    return compile_graph(gm, example_inputs, _runtime_for(gm, example_inputs, policy))

@@ -21,9 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from ._tree import tensors_of, to_device
-from .api import describe_plan, offload_compile, offload_stats, reset_offload_stats
-from .auto import offload_plan
-from .planner import InfeasibleBudgetError
+from .api import describe_plan, offload_compile, offload_plan, offload_stats, reset_offload_stats
+from .planning.planner import InfeasibleBudgetError
 from .config import load_stage_configs, policy_from_engine_args, warn_user
 from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
 
@@ -65,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
-    from .models import ARCHITECTURES, BUILDERS
+    from .testing.models import ARCHITECTURES, BUILDERS
     if spec in BUILDERS or spec in ARCHITECTURES:
         try:
             model, inputs = (BUILDERS.get(spec) or ARCHITECTURES[spec])()
@@ -74,7 +73,7 @@ def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
     else:
         if ":" not in spec:
             raise SystemExit(f"--model {spec!r}: expected pkg.module:fn or one of {sorted(BUILDERS)}, or an "
-                             f"architecture of offload_compiler.models.ARCHITECTURES: {sorted(ARCHITECTURES)}")
+                             f"architecture of offload_compiler.testing.models.ARCHITECTURES: {sorted(ARCHITECTURES)}")
         module_name, fn_name = spec.split(":", 1)
         sys.path.insert(0, os.getcwd())
         try:

@@ -10,7 +10,8 @@ from torch import nn
 
 STAGES = ("thinker", "talker", "code2wav", "token2wav")
 SUB_COMPONENTS = ("visual", "audio_tower", "language_model")
-DIT_MODULES = ("transformer", "transformer_2", "dit", "language_model", "transformer_blocks")
+# the denoisers of diffusers pipelines (DiT or UNet, Wuerstchen/Kandinsky's prior) and of omni DiT stages
+DIT_MODULES = ("transformer", "transformer_2", "unet", "unet_2", "prior", "dit", "language_model", "transformer_blocks")
 ENCODER_MODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ._registry import runtime_by_id
+
 try:  # torch built without distributed support
     from torch.distributed.tensor import DTensor
 except Exception:  # pragma: no cover
@@ -36,7 +38,6 @@ def dtensor_spec(tensor: torch.Tensor) -> tuple | None:
 
 def from_local_slot(view: torch.Tensor, runtime_id: int, group: int, slot: int) -> torch.Tensor:
     """Graph node: the DTensor weight of ``slot`` rebuilt around its fetched local shard ``view``."""
-    from .runtime import runtime_by_id
     rt = runtime_by_id(runtime_id)
     mesh, placements, shape, stride = rt.dtensor_specs[(rt._actual(group), slot)]
     return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from .runtime import runtime_by_id
+from ._registry import runtime_by_id
 
 NAMESPACE = "offload_compiler"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -39,7 +39,7 @@ def _fake_views(runtime: int, group: int, *_) -> list[torch.Tensor]:
 
 def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor], mode: int = 0) -> torch.Tensor:
     """Start copying ``group`` into the slot planned for ``key`` (asynchronously on an accelerator); returns a
-    token. ``mode``: `runtime.FETCH`, `runtime.ADOPT` or `runtime.CARRY` (see `OffloadRuntime.prefetch`)."""
+    token. ``mode``: `passes.schedule.FETCH`, `ADOPT` or `CARRY` (see `OffloadRuntime.prefetch`)."""
     runtime_by_id(runtime).prefetch(key, group, mode)
     _PREFETCH_TOKENS.reverse()
     return _PREFETCH_TOKENS[0]

@@ -16,26 +16,18 @@ from typing import Callable
 
 import torch
 
+from ._registry import _RUNTIMES
 from .distributed import dtensor_spec, is_dtensor, local_of, set_local
 from .grouping import GroupSpec
+from .passes.schedule import ADOPT, CARRY, FETCH
 from .policy import OffloadPolicy
 
 log = logging.getLogger("offload_compiler")
 
-_RUNTIMES: "weakref.WeakValueDictionary[int, OffloadRuntime]" = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count(1)
 
 
-# prefetch modes (`ops.prefetch`): copy now; take the copy the previous call carried, else copy; carry to the next
-FETCH, ADOPT, CARRY = 0, 1, 2
 CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
-
-
-def runtime_by_id(runtime_id: int) -> "OffloadRuntime":
-    runtime = _RUNTIMES.get(runtime_id)
-    if runtime is None:
-        raise RuntimeError(f"offload runtime {runtime_id} no longer exists (its model was garbage-collected)")
-    return runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +86,7 @@ class Slot:
     shape: tuple[int, ...]
     numel: int
     host_ptr: int = 0
+    stride: tuple[int, ...] = ()  # the weight's own layout (channels_last, transposed), restored by unpack
 
 
 @dataclasses.dataclass
@@ -269,16 +262,16 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
     by_dtype: dict[torch.dtype, int] = {}
     for w in spec.weights:
         t = local_of(w.tensor)  # a DTensor weight is laid out as its local shard; the slot keeps the DTensor
-        shape, numel = tuple(t.shape), t.numel()
+        shape, numel, stride = tuple(t.shape), t.numel(), tuple(t.stride())
         if id(t) in unpackable:
-            slot = Slot(w.name, w.tensor, len(buckets), 0, shape, numel)
+            slot = Slot(w.name, w.tensor, len(buckets), 0, shape, numel, stride=stride)
             buckets.append(Bucket(t.dtype, numel, None, owner=slot))
         else:
             if t.dtype not in by_dtype:
                 by_dtype[t.dtype] = len(buckets)
                 buckets.append(Bucket(t.dtype, 0, None))
             bucket = buckets[by_dtype[t.dtype]]
-            slot = Slot(w.name, w.tensor, by_dtype[t.dtype], bucket.numel, shape, numel)
+            slot = Slot(w.name, w.tensor, by_dtype[t.dtype], bucket.numel, shape, numel, stride=stride)
             bucket.numel += numel
         slots.append(slot)
     return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive)
@@ -315,6 +308,15 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
     group.packed = True
 
 
+def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """A packed weight copied into storage of its own, with the strides it had before packing (channels_last,
+    a transposed view's layout) where those describe a dense tensor; contiguous otherwise (expanded weights)."""
+    restored = torch.empty_strided(packed.shape, stride or packed.stride(), dtype=packed.dtype)
+    if restored.untyped_storage().nbytes() != packed.numel() * packed.element_size():
+        return packed.clone()
+    return restored.copy_(packed)
+
+
 class OffloadRuntime:
     """One model's offload state, shared by every graph captured from it."""
 
@@ -346,11 +348,13 @@ class OffloadRuntime:
                               if (spec := dtensor_spec(s.tensor)) is not None}
         self.graph_plans: list = []
         self.graph_calls = 0
+        self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
         self.group_remap: dict[int, int] | None = None  # per call: compiled group -> group of the weights passed
         self.unmanaged_bytes = 0  # weights in no group: they live on the compute device
         self.ledger = Ledger()
         self.bytes_transferred = 0
         self.fetch_count = 0
+        self.used_groups: set[int] = set()  # groups a graph read in the current call (fetched or resident)
         self.pool = DevicePool(self.device)
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
         self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
@@ -534,6 +538,7 @@ class OffloadRuntime:
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
         """The group's per-weight views over its slot, ready for compute (the same tensors every call)."""
         group = self._actual(group)
+        self.used_groups.add(group)
         g = self.groups[group]
         slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], g)
         self._live[group] = self._ready(slot)
@@ -584,6 +589,7 @@ class OffloadRuntime:
         """The persistent device copy of a resident group (a slot of its own, outside the streamed pool),
         refilled in place when a host weight changed."""
         group = self._actual(group)
+        self.used_groups.add(group)
         g = self.groups[group]
         held = self._resident.get(group)
         stamp = self._stamp(g)
@@ -648,7 +654,7 @@ class OffloadRuntime:
                     continue
                 for slot in group.slots:
                     if group.buckets[slot.bucket].owner is None:
-                        set_local(slot.tensor, local_of(slot.tensor).detach().clone())
+                        set_local(slot.tensor, _own_copy(local_of(slot.tensor).detach(), slot.stride))
             self._registrations.unregister_all()  # before the buffers can be freed
             for group in self.groups:
                 for bucket in group.buckets:
@@ -700,6 +706,7 @@ class OffloadRuntime:
         return "\n".join(lines)
 
     def reset_stats(self) -> None:
+        self.plan_calls = [0] * len(self.plan_calls)
         self.bytes_transferred = 0
         self.fetch_count = 0
         self.carry_hits = 0

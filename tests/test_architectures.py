@@ -11,7 +11,7 @@ from torch import nn
 
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats
 from offload_compiler.grouping import block_paths, plan_groups
-from offload_compiler.models import ARCHITECTURES
+from offload_compiler.testing.models import ARCHITECTURES
 from offload_compiler.testing import assert_offload_equivalent
 
 pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import torch
 from multistage import Omni, omni, thinker
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats
 from offload_compiler.components import resolve
-from offload_compiler.models import diffusion_container, diffusion_pipeline
+from offload_compiler.testing.models import diffusion_container, diffusion_pipeline
 from offload_compiler.testing import assert_offload_equivalent
 
 CPU = dict(device="cpu", debug_poison=True)
@@ -135,7 +135,7 @@ def test_model_level_without_dit_or_encoders_warns_and_offloads_nothing(keep, me
 # -- real Qwen2.5-Omni architectures (tiny, random weights) ----------------------------------------------
 
 def test_qwen25_omni_thinker_text_image_audio_offloads_visual_and_audio_tower():
-    from offload_compiler.omni_models import omni_thinker
+    from offload_compiler.testing.omni_models import omni_thinker
     model, kwargs = omni_thinker()
     policy = OffloadPolicy(strategy="alternating", components=["visual", "audio_tower"], **CPU)
     report = assert_offload_equivalent(model, policy, **kwargs)
@@ -145,7 +145,7 @@ def test_qwen25_omni_thinker_text_image_audio_offloads_visual_and_audio_tower():
 
 
 def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav():
-    from offload_compiler.omni_models import omni_full_with_inputs, run_stages
+    from offload_compiler.testing.omni_models import omni_full_with_inputs, run_stages
     model, inputs = omni_full_with_inputs()
     expected = run_stages(model, inputs)
     m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="alternating", **CPU))

@@ -89,6 +89,7 @@ def test_stage_yaml_warning_names_the_file_and_the_stage(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     ({"cpu_offload_enabled": True, "cpu_offload_strategy": "greedy"}, "cpu_offload_strategy='greedy' is unknown"),
+    ({"enable_layerwise_offload": True, "cpu_offload_strategy": "sometimes"}, "'sometimes' is unknown"),
     ({"cpu_ofload_enabled": True}, "unknown key 'cpu_ofload_enabled'.*did you mean 'cpu_offload_enabled'"),
     ({"cpu_offload_enabled": "maybe"}, "cpu_offload_enabled must be true or false"),
     ({"cpu_offload_enabled": True, "cpu_offload_components": 3}, "cpu_offload_components must be a list"),
@@ -117,6 +118,8 @@ def test_the_seed_yaml_files_load_as_written():
     ("stage_args:\n  - stage_id: 0\n  - stage_id: 0\n", "stage_id values repeat"),
     ("stage_args:\n  - stage_id: 2\n    engine_args: {cpu_offload_enabled: true, cpu_offload_strategy: fast}\n",
      "stage 2.*cpu_offload_strategy='fast' is unknown"),
+    ("stage_args:\n  - stage_id: 5\n    engine_args: {cpu_offload_strategy: sometimes}\n",
+     "stage 5.*cpu_offload_strategy='sometimes' is unknown"),  # invalid even where no key selects it
 ])
 def test_bad_stage_yaml_names_the_file_stage_and_key(tmp_path, text, message):
     path = tmp_path / "stages.yaml"

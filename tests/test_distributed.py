@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from offload_compiler._two_ranks import BLOCKS, HIDDEN, MICROBATCHES, WIDTH
+from offload_compiler.testing.two_ranks import BLOCKS, HIDDEN, MICROBATCHES, WIDTH
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -27,8 +27,8 @@ F32 = 4
 def _two_ranks(case: str, compiler: str, tmp_path, backend: str = "gloo") -> list[dict]:
     env = dict(os.environ, OFFLOAD_TWO_RANKS_OUT=str(tmp_path),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "offload_compiler._two_ranks", case, compiler, backend], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "offload_compiler.testing.two_ranks", case, compiler, backend],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -10,7 +10,7 @@ from capture import capture
 from offload_compiler import OffloadPolicy
 from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
-from offload_compiler.models import gpt2, llama
+from offload_compiler.testing.models import gpt2, llama
 from offload_compiler.runtime import OffloadRuntime
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats
-from offload_compiler.models import llama
+from offload_compiler.testing.models import llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -9,11 +9,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from offload_compiler import (InfeasibleBudgetError, OffloadPolicy, offload_compile, offload_plan, offload_stats,
+                              remove_offload,
                               plan_offload)
-from offload_compiler.models import llama
+from offload_compiler.testing.models import llama
 from offload_compiler.passes.schedule import Use
-from offload_compiler.planner import (Choice, CostTable, GroupCost, minimum_budget, predict, solve,
-                                      solve_brute_force)
+from offload_compiler.planning.planner import (Choice, CostTable, GroupCost, minimum_budget, predict, solve,
+                                               solve_brute_force)
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, build_block_model
 
 
@@ -66,7 +67,7 @@ def test_minimum_budget_is_the_smallest_peak_of_any_plan(table):
 def test_search_bounds_hold_for_every_completion(table, data):
     """What the search prunes with; note that keeping more groups resident is not always faster."""
     import itertools
-    from offload_compiler.planner import _inline_bound, _overlap_bound
+    from offload_compiler.planning.planner import _inline_bound, _overlap_bound
     used = table.used_groups
     streamed = set(data.draw(st.sets(st.sampled_from(used)))) if used else set()
     for k in range(len(used) + 1):
@@ -143,7 +144,7 @@ def test_infeasible_budget_errors_before_anything_runs_with_the_needed_figure():
     assert err.value.needed_bytes > 1e-5 * 2**30
     assert isinstance(err.value, ValueError)
     # the figure is right: that budget works
-    ok = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu",
+    ok = offload_compile(remove_offload(m), OffloadPolicy(strategy="auto", device="cpu",
                                               device_budget_gb=err.value.needed_bytes / 2**30))
     ok(**kwargs)
     assert offload_stats(ok).peak_resident_bytes + offload_plan(ok).table.activation_bytes <= err.value.needed_bytes

@@ -4,7 +4,7 @@ under both compilers, and the ledger shows the weights streamed through the devi
 import pytest
 
 from offload_compiler import OffloadPolicy
-from offload_compiler.models import BUILDERS
+from offload_compiler.testing.models import BUILDERS
 from offload_compiler.testing import assert_offload_equivalent
 
 pytest.importorskip("transformers")

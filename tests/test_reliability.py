@@ -204,7 +204,7 @@ def test_a_buffer_the_forward_modifies_is_refused_and_offload_buffers_false_is_t
     _assert_whole(model, snapshot)
     reference = Counter()
     reference.load_state_dict(snapshot)
-    m = offload_compile(model, strategy="sequential", offload_buffers=False, **CPU)
+    m = offload_compile(remove_offload(m), strategy="sequential", offload_buffers=False, **CPU)
     for _ in range(3):
         assert torch.equal(m(torch.ones(1, 8)), reference(torch.ones(1, 8)).detach())
     assert model.calls.item() == 3
@@ -321,7 +321,7 @@ def test_two_threads_get_correct_results():
 @pytest.mark.parametrize("entry", ["offload_compile", "torch.compile"])
 def test_remove_offload_gives_back_a_plain_equal_module(entry):
     model, x, expected, snapshot = _model()
-    params = list(model.parameters())
+    params, cls = list(model.parameters()), type(model)
     if entry == "offload_compile":
         wrapped = offload_compile(model, strategy="budget", offload_gb=1e-5, **CPU)
     else:
@@ -333,9 +333,9 @@ def test_remove_offload_gives_back_a_plain_equal_module(entry):
     for p in plain.parameters():  # each weight owns its storage again
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     _assert_whole(plain, snapshot, x, expected)
-    if entry == "offload_compile":
-        with pytest.raises(RuntimeError, match="remove_offload"):
-            wrapped(x)
+    assert type(plain) is cls and "forward" not in vars(plain)  # its own class and forward again
+    with pytest.raises(ValueError, match="is not offloaded"):
+        offload_stats(plain)
     again = offload_compile(plain, strategy="layerwise", **CPU)  # and it can be offloaded again
     assert torch.equal(again(x), expected)
 
@@ -349,7 +349,9 @@ def test_a_device_budget_below_what_any_plan_needs_states_the_figure_and_touches
         m(x)
     assert err.value.needed_bytes > 1e-6 * 2**30  # the smallest budget that works, in bytes
     assert pointers == [p.data_ptr() for p in model.parameters()]  # planned before anything was packed
-    _assert_whole(model, snapshot, x, expected)
+    with pytest.raises(InfeasibleBudgetError):  # every call says so (the budget is the model's policy)
+        m(x)
+    _assert_whole(remove_offload(m), snapshot, x, expected)
     works = offload_compile(model, strategy="auto", device_budget_gb=err.value.needed_bytes / 2**30, **CPU)
     assert torch.equal(works(x), expected)
 
@@ -358,7 +360,7 @@ def test_a_device_budget_below_what_any_plan_needs_states_the_figure_and_touches
 
 def test_generate_and_the_original_object_run_offloaded():
     from offload_compiler import reset_offload_stats
-    from offload_compiler.models import llama
+    from offload_compiler.testing.models import llama
     model, inputs = llama()
     plain = __import__("copy").deepcopy(model)
     m = offload_compile(model, strategy="layerwise", **CPU)
@@ -392,14 +394,14 @@ def test_weights_the_graph_does_not_hold_are_refused_not_read_from_host():
 def test_offloading_twice():
     model, x, expected, snapshot = _model()
     m = offload_compile(model, strategy="layerwise", **CPU)
+    assert m is model  # offloaded in place: one object, one state
     m(x)
-    with pytest.raises(ValueError, match="already an offloaded module.*remove_offload"):
+    with pytest.raises(ValueError, match="already offloaded.*offload_compile\\(remove_offload\\(m\\), policy\\)"):
         offload_compile(m, strategy="sequential", **CPU)
-    again = offload_compile(model, strategy="sequential", **CPU)  # the original again: the first offload ends
+    assert torch.equal(m(x), expected)  # the refusal changed nothing
+    again = offload_compile(remove_offload(m), strategy="sequential", **CPU)
     assert torch.equal(again(x), expected) and offload_stats(again).fetch_count > 0
-    with pytest.raises(RuntimeError, match="this offload has ended"):
-        m(x)
-    _assert_whole(model, snapshot)
+    _assert_whole(remove_offload(again), snapshot)
 
 
 def test_copy_pickle_and_grad_are_refused_with_the_alternative():

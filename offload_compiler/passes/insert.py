@@ -16,9 +16,8 @@ import torch
 import torch.fx as fx
 
 from ..distributed import from_local_slot, is_dtensor
-from ..runtime import ADOPT, CARRY, FETCH
 from .analysis import Reads, WeightInput, _value
-from .schedule import Schedule
+from .schedule import ADOPT, CARRY, FETCH, Schedule
 
 OPS = torch.ops.offload_compiler
 # readers whose result is always a buffer of its own under inductor (extern kernels): nothing to materialize

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
+# prefetch modes (`ops.prefetch`, `OffloadRuntime.prefetch`): copy now; take the copy the previous call carried,
+# else copy; carry to the next call
+FETCH, ADOPT, CARRY = 0, 1, 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Use:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..runtime import ADOPT, CARRY
+from .schedule import ADOPT, CARRY
 
 OPS = torch.ops.offload_compiler
 Events = list[tuple[str, int, int, int]]  # (take | give, fetch key, group, prefetch mode or -1)

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .analysis import WeightInput, _storage, _value, readers
-from ..runtime import ADOPT, CARRY, FETCH
+from .schedule import ADOPT, CARRY, FETCH
 
 OPS = torch.ops.offload_compiler
 

@@ -23,8 +23,8 @@ Token-count rules taken from ``modeling_qwen2_5_omni.py``:
 * audio: ``L = feature_attention_mask.sum()`` mel frames -> ``((L - 1) // 2 + 1 - 2) // 2 + 1`` embeddings ->
   that many ``audio_token_index`` tokens, placed as ``audio_start, AUD*n, audio_end``.
 
-Run ``python omni_models.py`` for a self-check (runs each builder twice, checks determinism, prints parameter
-counts, module names and timings).
+Run ``python -m offload_compiler.testing.omni_models`` for a self-check (runs each builder twice, checks
+determinism, prints parameter counts, module names and timings).
 """
 
 from __future__ import annotations

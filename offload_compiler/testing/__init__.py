@@ -21,9 +21,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._tree import tensors_of, to_device
-from .api import offload_compile, offload_stats
-from .policy import OffloadPolicy
+from .._tree import tensors_of, to_device
+from ..api import offload_compile, offload_stats
+from ..offloaded import state_of
+from ..policy import OffloadPolicy
+from ..runtime import OffloadStats
 
 GENERIC_STRATEGIES = ("none", "sequential", "layerwise", "budget")
 
@@ -140,7 +142,36 @@ if st is not None:
                          st.integers(0, 64), st.booleans())
 
 
-# -- the check ------------------------------------------------------------------------------------------
+# -- the checks -----------------------------------------------------------------------------------------
+
+def planned_traffic(offloaded: Any) -> tuple[int, int]:
+    """(bytes, fetches) that the verified plans say the calls since the last `reset_offload_stats` moved:
+    for each captured graph, its fetched groups' bytes times how often it ran. For policies whose groups are
+    all streamed, evicted after use and not carried to the next call (layerwise, sequential, budget with
+    everything streamed, alternating with ``keep_after_use=False``)."""
+    runtime = state_of(offloaded).runtime
+    if any(not g.streamed for g in runtime.groups) or runtime.policy.prefetch_next_call or (
+            runtime.policy.strategy in ("alternating", "model") and runtime.policy.keep_after_use):
+        raise ValueError("planned_traffic counts per-call fetches: use a policy that streams every group, with "
+                         "keep_after_use=False and prefetch_next_call=False")
+    nbytes = [g.nbytes for g in runtime.groups]
+    moved = fetches = 0
+    for plan, calls in zip(runtime.graph_plans, runtime.plan_calls):
+        moved += calls * sum(nbytes[i.group] for i in plan.schedule.instances)
+        fetches += calls * plan.verified.fetches
+    return moved, fetches
+
+
+def assert_traffic_matches_plan(offloaded: Any) -> OffloadStats:
+    """The ledger's bytes and fetches since the last `reset_offload_stats` equal `planned_traffic`: offloading
+    happened, and exactly as planned (no group read from host memory, none fetched twice)."""
+    stats = offload_stats(offloaded)
+    moved, fetches = planned_traffic(offloaded)
+    assert fetches > 0, "no offloaded graph ran"
+    assert (stats.bytes_transferred, stats.fetch_count) == (moved, fetches), (
+        f"moved {stats.bytes_transferred} B in {stats.fetch_count} fetches; the plans say {moved} B in {fetches}")
+    return stats
+
 
 @dataclasses.dataclass(frozen=True)
 class EquivalenceReport:

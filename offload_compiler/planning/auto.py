@@ -3,23 +3,24 @@ chosen residency, prefetch depth and ``blocks_per_group``. The plan is public: `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from . import backend
-from .api import RECOMPILE_LIMIT, OffloadedModule, offload_forwards
+from .._dynamo import is_graph_break, recompile_limits
+from ..backend import build_runtime
 from .costmodel import DeviceRates, build_table, device_rates
-from .grouping import GroupSpec, plan_groups
+from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
-from .policy import OffloadPolicy
-from .runtime import OffloadRuntime
+from ..policy import OffloadPolicy
+from ..runtime import OffloadRuntime
 
 BLOCKS_PER_GROUP_CANDIDATES = (1, 2, 4)
 WARMUP_CALLS = 2  # the first compiles, the second still pays lazy initialisation
@@ -58,9 +59,10 @@ class _Captured(Exception):
     pass
 
 
-def capture_graph(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list]:
-    """The model's graph and example inputs, from dynamo, without running it: the backend returns a callable
-    that aborts the call."""
+def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the model"
+                  ) -> tuple[fx.GraphModule, list]:
+    """The graph of ``forward`` (a model's own forward, bound) and its example inputs, from dynamo, without
+    running it: the backend returns a callable that aborts the call."""
     captured = []
 
     def recorder(gm: fx.GraphModule, example_inputs: list, **_: Any):
@@ -70,20 +72,19 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Graph
             raise _Captured()
         return abort
 
-    try:  # one cache entry per model of a class, as for the offloaded graphs (api.RECOMPILE_LIMIT)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                                         accumulated_recompile_limit=RECOMPILE_LIMIT):
-            torch.compile(model, backend=recorder, fullgraph=True)(*args, **kwargs)
+    try:
+        with torch.no_grad(), recompile_limits():
+            torch.compile(forward, backend=recorder, fullgraph=True)(*args, **kwargs)
     except _Captured:
         pass
     except Exception as exc:
-        if "graph break" in str(exc).lower() or type(exc).__name__ == "Unsupported":
+        if is_graph_break(exc):
             raise ValueError(f"strategy='auto' plans from one captured graph, but dynamo breaks the graph of "
-                             f"{type(model).__name__} ({exc}); fix the graph break (TORCH_LOGS=graph_breaks) "
+                             f"{name} ({exc}); fix the graph break (TORCH_LOGS=graph_breaks) "
                              f"or use strategy='layerwise' or 'budget'") from exc
         raise
     if not captured:
-        raise RuntimeError(f"dynamo captured no graph from {type(model).__name__}; strategy='auto' cannot plan it")
+        raise RuntimeError(f"dynamo captured no graph from {name}; strategy='auto' cannot plan it")
     return captured[0]
 
 
@@ -102,6 +103,24 @@ class OffloadPlan:
     candidates: dict[int, float | None]  # blocks_per_group -> predicted time (None: infeasible)
     measured_s: list[float] = dataclasses.field(default_factory=list)
     measured_peak_bytes: int | None = None
+    calls: int = 0
+
+    @contextlib.contextmanager
+    def measure(self, runtime: OffloadRuntime) -> Iterator[None]:
+        """Around each call of the planned model: the calls after the warm-up are timed (predicted vs
+        measured), then the device's compute estimates are refined; the ledger's peak is recorded."""
+        self.calls += 1
+        timed = WARMUP_CALLS < self.calls <= WARMUP_CALLS + MEASURED_CALLS
+        sync = torch.cuda.synchronize if timed and runtime.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        yield
+        sync()
+        if timed:
+            self.measured_s.append(time.perf_counter() - start)
+            if self.calls == WARMUP_CALLS + MEASURED_CALLS:
+                refine_rates(self)
+        self.measured_peak_bytes = runtime.ledger.peak
 
     @property
     def prefetch(self) -> int:
@@ -205,7 +224,7 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
     if policy.strategy != "auto":
         raise ValueError(f"plan_offload plans strategy='auto'; got strategy={policy.strategy!r}")
     budget, source = resolve_budget(policy)
-    gm, example_inputs = capture_graph(model, args, kwargs)
+    gm, example_inputs = capture_graph(type(model).forward.__get__(model), args, kwargs, type(model).__name__)
     rates = device_rates(policy.torch_device)
     n_blocks = sum(1 for g in plan_groups(model, policy.replace(blocks_per_group=1)) if g.is_block)
     best: tuple[CostTable, Solution] | None = None
@@ -231,59 +250,14 @@ def planned_specs(model: nn.Module, policy: OffloadPolicy, plan: OffloadPlan) ->
     return [dataclasses.replace(s, streamed=i not in plan.resident) for i, s in enumerate(specs)]
 
 
-# -- the module -------------------------------------------------------------------------------------------
+# -- the runtime ------------------------------------------------------------------------------------------
 
-class AutoOffloadedModule(OffloadedModule):
-    """`offload_compile(model, OffloadPolicy(strategy="auto", ...))`: plans at the first call (or at
-    `plan(*args, **kwargs)`), before anything runs, then runs as an `OffloadedModule` with the chosen
-    residency. The first calls after compiling are timed, so the plan reports predicted vs measured."""
-
-    def __init__(self, model: nn.Module, policy: OffloadPolicy) -> None:
-        nn.Module.__init__(self)
-        self._orig_mod = model
-        object.__setattr__(self, "_auto_policy", policy)
-        object.__setattr__(self, "_offload_runtime", None)
-        object.__setattr__(self, "_offload_plan", None)
-        object.__setattr__(self, "_calls", 0)
-
-    @property
-    def offload_policy(self) -> OffloadPolicy:
-        runtime = self._offload_runtime
-        return self._auto_policy if runtime is None else runtime.policy
-
-    @property
-    def offload_plan(self) -> OffloadPlan | None:
-        return self._offload_plan
-
-    def plan(self, *args: Any, **kwargs: Any) -> OffloadPlan:
-        if self._offload_plan is not None:
-            return self._offload_plan
-        policy, model = self._auto_policy, self._orig_mod
-        plan = plan_offload(model, policy, *args, **kwargs)
-        concrete = policy.replace(prefetch=plan.prefetch, blocks_per_group=plan.blocks_per_group,
-                                  prefetch_next_call=policy.prefetch_next_call and plan.prefetch > 0)
-        runtime = OffloadRuntime(concrete, planned_specs(model, policy, plan), type(model).__name__)
-        backend._MODULE_RUNTIMES[model] = runtime
-        object.__setattr__(self, "_offload_runtime", runtime)
-        offload_forwards(model, runtime)
-        object.__setattr__(self, "_offload_plan", plan)
-        return plan
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        plan = self.plan(*args, **kwargs)
-        object.__setattr__(self, "_calls", self._calls + 1)
-        timed = WARMUP_CALLS < self._calls <= WARMUP_CALLS + MEASURED_CALLS
-        sync = torch.cuda.synchronize if timed and self._offload_runtime.device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        out = super().forward(*args, **kwargs)
-        sync()
-        if timed:
-            plan.measured_s.append(time.perf_counter() - start)
-            if self._calls == WARMUP_CALLS + MEASURED_CALLS:
-                refine_rates(plan)
-        plan.measured_peak_bytes = self._offload_runtime.ledger.peak
-        return out
+def planned_runtime(model: nn.Module, policy: OffloadPolicy, plan: OffloadPlan) -> OffloadRuntime:
+    """The runtime that carries out ``plan``: built like every other runtime (`build_runtime`), with the
+    planner's groups, residency and prefetch depth."""
+    concrete = policy.replace(prefetch=plan.prefetch, blocks_per_group=plan.blocks_per_group,
+                              prefetch_next_call=policy.prefetch_next_call and plan.prefetch > 0)
+    return build_runtime(model, concrete, specs=planned_specs(model, policy, plan))
 
 
 def refine_rates(plan: OffloadPlan) -> None:
@@ -297,14 +271,4 @@ def refine_rates(plan: OffloadPlan) -> None:
     plan.rates.compute_scale = min(max(plan.rates.compute_scale * observed, 0.1), 10.0)
 
 
-def offload_plan(module: Any) -> OffloadPlan:
-    """The plan of a ``strategy="auto"`` module (made at its first call or by ``module.plan(...)``)."""
-    plan = getattr(module, "_offload_plan", None) if isinstance(module, AutoOffloadedModule) else None
-    if plan is None:
-        raise ValueError(f"{type(module).__name__} has no auto offload plan: pass the result of "
-                         f"offload_compile(model, OffloadPolicy(strategy='auto', device_budget_gb=...)) after its "
-                         f"first call, or call module.plan(*inputs) first")
-    return plan
-
-
-__all__ = ["AutoOffloadedModule", "OffloadPlan", "offload_plan", "plan_offload", "capture_graph", "resolve_budget"]
+__all__ = ["OffloadPlan", "plan_offload", "planned_runtime", "capture_graph", "resolve_budget"]

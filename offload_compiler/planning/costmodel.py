@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .grouping import GroupSpec
-from .passes.analysis import _storage, _value, collect_uses, weight_inputs
+from ..grouping import GroupSpec
+from ..passes.analysis import _storage, _value, collect_uses, weight_inputs
 from .planner import CostTable, GroupCost
 
 # -- device rates ---------------------------------------------------------------------------------------

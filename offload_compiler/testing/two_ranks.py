@@ -1,7 +1,7 @@
 """Two-rank (gloo, CPU) runs of per-rank offload, shared by ``examples/two_ranks.py`` and the tests.
 
-``python -m offload_compiler._two_ranks {tp,pp} [eager|inductor] [gloo|nccl]`` spawns 2 processes on a free loopback
-port; each rank checks its outputs against the unsharded model and its own ledger, and writes its figures as
+``python -m offload_compiler.testing.two_ranks {tp,pp} [eager|inductor] [gloo|nccl]`` spawns 2 processes on a free
+loopback port; each rank checks its outputs against the unsharded model and its own ledger, and writes its figures as
 JSON to ``$OFFLOAD_TWO_RANKS_OUT/rank{r}.json`` when that is set.
 """
 

@@ -28,7 +28,7 @@ import itertools
 import math
 from typing import Iterable
 
-from .passes.schedule import Schedule, Use, build_schedule, peak_bytes
+from ..passes.schedule import Schedule, Use, build_schedule, peak_bytes
 
 GIB = 1 << 30
 

@@ -1,0 +1,84 @@
+"""Every use of dynamo's private surface, in one place: what a torch upgrade may break is here and nowhere else.
+
+- `compiled_module_of`: the module inside a ``torch.compile`` wrapper (``OptimizedModule``).
+- `skipped_frames`: how many frames dynamo has run without a graph (a graph break inside a loop, the
+  recompile limit), so an offloaded call can notice that part of its model ran eagerly.
+- `model_error`: the model's own exception under dynamo's ``TorchRuntimeError`` wrapper.
+- `traced_module`: the module whose frame dynamo is compiling, found from a weight's source name.
+- `recompile_limits`: a config patch raising dynamo's recompile limits (made once per model: torch keeps a
+  ContextVar per patch object).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
+from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
+from torch._dynamo.utils import counters
+
+RECOMPILE_LIMIT = 4096  # every offloaded model of one class is a cache entry of the same code object
+
+
+def compiled_module_of(obj: Any) -> Any:
+    """``torch.compile(model)`` returns a wrapper; the state lives on the model inside it."""
+    return obj._orig_mod if isinstance(obj, OptimizedModule) else obj
+
+
+def skipped_frames() -> int:
+    frames = counters["frames"]
+    return frames["total"] - frames["ok"]
+
+
+def recompile_limits():
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT)
+
+
+def is_tracing_error(exc: BaseException) -> bool:
+    return isinstance(exc, TorchRuntimeError)
+
+
+def model_error(exc: BaseException) -> BaseException | None:
+    """The error the model's code raised while dynamo traced it (with fake tensors), under dynamo's wrappers."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if not isinstance(exc, TorchDynamoException) and isinstance(exc, (RuntimeError, ValueError, TypeError,
+                                                                          IndexError)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def is_graph_break(exc: BaseException) -> bool:
+    return "graph break" in str(exc).lower() or type(exc).__name__ == "Unsupported"
+
+
+_LOCAL = re.compile(r"^([LG])\['([^']+)'\]")
+
+
+def traced_module(gm: torch.fx.GraphModule) -> nn.Module | None:
+    """The module dynamo is tracing, found from a weight's source name and the frame being compiled."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get("grapharg") is not None:
+            source = node.meta["grapharg"].source.name
+            match = _LOCAL.match(source)
+            if match and ("._parameters[" in source or "._buffers[" in source):
+                names.append(match.groups())
+    if not names:
+        return None
+    scope, name = max(set(names), key=names.count)
+    frame = sys._getframe()
+    while frame is not None:
+        traced = frame.f_locals.get("frame")
+        if traced is not None and hasattr(traced, "f_locals") and hasattr(traced, "f_globals"):
+            root = (traced.f_locals if scope == "L" else traced.f_globals).get(name)
+            if isinstance(root, nn.Module):
+                return root
+        frame = frame.f_back
+    return None

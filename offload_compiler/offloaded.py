@@ -1,0 +1,507 @@
+"""The offloaded model: the model object itself, with exactly one `OffloadState`, reached one way (`state_of`).
+
+Every entry point ends here — `offload_compile` (modules and pipelines, every strategy, ``auto`` included) and
+``torch.compile(model, backend="omni_offload")`` — as FSDP2's ``fully_shard`` does: the model is offloaded in
+place. Its class is swapped for a subclass of `OffloadedModule` that carries the guards (``.to``, dtype
+changes, copy, pickle, ``load_state_dict(assign=True)``); its ``forward``, and those of the modules that
+contain its groups or are its components, become `_OffloadedForward` objects that run the offloaded graphs;
+hooks registered on any of its modules afterwards are refused (the captured graphs could not see them).
+
+How a call reaches the weights, route by route:
+- a direct call, ``generate()``, a pipeline holding the object, a container or component called on its own:
+  ``module.forward`` is an `_OffloadedForward`, which runs the module's own offloaded graph;
+- the user's ``torch.compile`` around the model (or around code calling it): `_OffloadedForward.__call__`
+  is ``torch.compiler.disable``d, so the model is a clean boundary in the user's graph (its own graph runs,
+  already compiled as the policy says); under ``fullgraph=True`` dynamo's error names the reason;
+- our own capture: while the model's graph is captured or run, the installed forwards are swapped for
+  `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container);
+- part of the forward run by dynamo without a graph (a graph break inside a loop): noticed, and every later
+  call is refused, since those frames read the weights from host memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ._dynamo import compiled_module_of, is_tracing_error, model_error, recompile_limits, skipped_frames, \
+    traced_module
+from .planning.auto import OffloadPlan, plan_offload, planned_runtime
+from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
+from .grouping import plan_groups
+from .policy import COMPONENT_STRATEGIES, OffloadPolicy
+from .runtime import OffloadRuntime
+
+STATE_ATTR = "_offload_state"
+HOOKS_REFUSED = ("{model} is offloaded: its graphs were captured with the hooks it had then, so a hook {action} now "
+                 "would be silently ignored. Change hooks before offloading: m = remove_offload(m), change the "
+                 "hook, then offload_compile(m, policy)")
+
+
+@dataclasses.dataclass(eq=False)
+class OffloadState:
+    """Everything offloading attached to one model (or pipeline). ``runtime`` is None until ``auto`` plans."""
+    owner: Any
+    policy: OffloadPolicy
+    runtime: OffloadRuntime | None = None
+    plan: OffloadPlan | None = None
+    classes: list = dataclasses.field(default_factory=list)  # (module, its class before offloading)
+    forwards: dict = dataclasses.field(default_factory=dict)  # module -> its _OffloadedForward
+    watched: dict = dataclasses.field(default_factory=dict)  # module -> its own hook dicts (watched copies in use)
+    hooked: list = dataclasses.field(default_factory=list)  # (a module's own hook dict, its size) where not empty
+    refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
+    ended: bool = False
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    limits: Any = dataclasses.field(default_factory=recompile_limits)
+
+    @property
+    def name(self) -> str:
+        return type(self.owner).__name__.removeprefix("Offloaded")
+
+    def check_usable(self) -> None:
+        if self.ended:
+            raise RuntimeError(OFFLOAD_ENDED)
+        if self.refused is not None:
+            raise RuntimeError(self.refused)
+        if any(len(hooks) != size for hooks, size in self.hooked):  # handle.remove() of a hook from before
+            raise RuntimeError(HOOKS_REFUSED.format(model=self.name, action="removed"))
+
+    @contextlib.contextmanager
+    def tracing_through(self) -> Iterator[None]:
+        """While our own graph is captured or run, dynamo traces into the installed forwards."""
+        saved = [(module, module.__dict__.get("forward")) for module in self.forwards]
+        for module, forward in self.forwards.items():
+            module.__dict__["forward"] = forward.through
+        try:
+            yield
+        finally:
+            for module, previous in saved:
+                module.__dict__["forward"] = previous
+
+    def plan_now(self, args: tuple, kwargs: dict) -> OffloadPlan:
+        """``auto``: plan from this call of the whole model (nothing runs), then build the runtime and the
+        forwards of the chosen groups."""
+        if self.plan is None:
+            model = self.owner
+            with self.tracing_through():
+                plan = plan_offload(model, self.policy, *args, **kwargs)
+            self.runtime = planned_runtime(model, self.policy, plan)
+            self.plan = plan
+            install_forwards(model, self)
+        return self.plan
+
+
+def state_of(obj: Any) -> OffloadState | None:
+    """The one way to the offload state: on the model (or pipeline) itself, through a torch.compile wrapper."""
+    return getattr(compiled_module_of(obj), "__dict__", {}).get(STATE_ATTR)
+
+
+# -- the offloaded class ------------------------------------------------------------------------------------
+
+class OffloadedModule(nn.Module):
+    """Base of every offloaded model's class: ``offload_compile(model, policy)`` returns ``model`` itself, its
+    class swapped for ``Offloaded<Class>(OffloadedModule, Class)``. Parameters, buffers and ``state_dict`` are
+    the model's own (host masters); it runs inference only; `remove_offload` restores the class."""
+
+    @property
+    def _offload(self) -> OffloadState:
+        return self.__dict__[STATE_ATTR]
+
+    @property
+    def offload_policy(self) -> OffloadPolicy:
+        state = self._offload
+        return state.policy if state.runtime is None else state.runtime.policy
+
+    @property
+    def _offload_runtime(self) -> OffloadRuntime | None:
+        return self._offload.runtime
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (the weights' home is host memory)."""
+        return self._offload.policy.torch_device
+
+    def plan(self, *args: Any, **kwargs: Any) -> OffloadPlan:
+        """``strategy="auto"``: plan for these inputs now (nothing runs); later calls use that plan."""
+        state = self._offload
+        if state.policy.strategy != "auto":
+            raise ValueError(f"plan() is for strategy='auto'; this model is offloaded with strategy="
+                             f"{state.policy.strategy!r} (describe_plan(m) shows its plan)")
+        state.check_usable()
+        with state.lock:
+            return state.plan_now(args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError("an offloaded module cannot be copied (its weights live in shared host buffers): copy the "
+                        "model first and offload the copy, offload_compile(copy.deepcopy(remove_offload(m)), policy), "
+                        "or save m.state_dict()")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError("an offloaded module cannot be pickled or torch.save()d: save m.state_dict() (the original "
+                        "parameter names), or the model returned by remove_offload(m)")
+
+    def to(self, *args: Any, **kwargs: Any) -> "OffloadedModule":
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            self._apply(None)
+        if device is not None:
+            warnings.warn(f"offload_compiler: .to({device}) ignored: this module keeps its weights in host memory "
+                          f"and computes on {self.device}. To compute elsewhere: "
+                          f"offload_compile(remove_offload(m), policy.replace(device=...))", UserWarning, stacklevel=2)
+        return self
+
+    def cuda(self, device: Any = None) -> "OffloadedModule":
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
+                       if isinstance(device, int) else device)
+
+    def cpu(self) -> "OffloadedModule":
+        return self.to("cpu")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "OffloadedModule":
+        raise RuntimeError("changing the dtype or storage of an offloaded module's weights (.half(), .to(dtype), "
+                           "...) would detach them from their host buffers; convert first: "
+                           "offload_compile(remove_offload(m).to(dtype), policy)")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the offloaded weights' host masters; "
+                             "use assign=False (the default), which copies into them")
+        return super().load_state_dict(state_dict, strict=strict)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _offloaded_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Offloaded{cls.__name__}", (OffloadedModule, cls),
+                             {"__module__": cls.__module__, "__qualname__": f"Offloaded{cls.__qualname__}"})
+    return _CLASSES[cls]
+
+
+class _WatchedHooks(collections.OrderedDict):
+    """A module's forward hook dict while its model is offloaded: adding or removing a hook is refused."""
+    model_name = "the model"
+
+    def _refuse(self, action: str) -> None:
+        raise RuntimeError(HOOKS_REFUSED.format(model=self.model_name, action=action))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._refuse("registered")
+
+    def __delitem__(self, key: Any) -> None:
+        self._refuse("removed")
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def _watch_hooks(module: nn.Module, name: str) -> list[dict]:
+    """Swap a module's hook dicts for watched copies; returns the originals, which handles made before
+    offloading still point at (a removal through one of them is noticed at the next call)."""
+    originals = []
+    for attr in _HOOK_DICTS:
+        original = getattr(module, attr)
+        watched = _WatchedHooks()
+        watched.model_name = name
+        for key, hook in original.items():
+            collections.OrderedDict.__setitem__(watched, key, hook)
+        module.__dict__[attr] = watched
+        originals.append(original)
+    return originals
+
+
+def _unwatch_hooks(module: nn.Module, originals: list[dict]) -> None:
+    for attr, original in zip(_HOOK_DICTS, originals):
+        module.__dict__[attr] = original
+
+
+# -- forwards ------------------------------------------------------------------------------------------------
+
+class _OffloadedForward:
+    """A module's forward while its model is offloaded: runs the module's own offloaded graph. ``must_graph``:
+    a call that ran no offloaded graph is an error (dynamo fell back to eager)."""
+
+    def __init__(self, module: nn.Module, state: OffloadState, must_graph: bool) -> None:
+        self._state = state
+        self._must_graph = must_graph
+        self._root = module is state.owner
+        self._warned_inputs = False
+        self.forward = type(module).forward.__get__(module)
+        self.through = _TraceThrough(self)
+        self._compiled = None
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._state
+        with state.lock:
+            state.check_usable()
+            if state.runtime is None:
+                if not self._root:
+                    raise RuntimeError(f"strategy='auto' plans from a call of the whole {state.name}: call the "
+                                       f"model (or m.plan(...)) once before calling its parts on their own")
+                state.plan_now(args, kwargs)
+            runtime = state.runtime
+            args, kwargs = self._inputs_on_device(args, kwargs, runtime.device)
+            calls, skipped = runtime.graph_calls, skipped_frames()
+            runtime.used_groups.clear()
+            measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
+            with torch.no_grad(), state.limits, state.tracing_through(), measure:
+                out = self._run(runtime, args, kwargs)
+            if runtime.graph_calls == calls and (self._must_graph or any(g.streamed for g in runtime.groups)):
+                raise RuntimeError(
+                    f"{state.name} ran without its offloaded graph: torch.compile fell back to plain eager "
+                    f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a "
+                    f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
+            if skipped_frames() != skipped:
+                self._check_no_eager_reads(state, runtime)
+        return out
+
+    def _check_no_eager_reads(self, state: OffloadState, runtime: OffloadRuntime) -> None:
+        """Dynamo ran part of this call without a graph (a frame with a graph break inside a loop, or past its
+        recompile limit). Frames it compiled inside that part are fine; but a group that no graph of this call
+        read was read there, from host memory: refused, now and on every later call."""
+        path = "" if self._root else _path_of(state, self.forward.__self__)
+        unread = [g.name for g in runtime.groups if g.nbytes and g.index not in runtime.used_groups and (
+            not path or g.name == path or g.name.startswith(path + "."))]
+        if not unread:
+            return
+        state.refused = (
+            f"part of {state.name}'s forward ran outside its offloaded graphs: dynamo ran a frame without a graph (a "
+            f"graph break inside a loop, or past its recompile limit), and the weights of {unread[:4]}"
+            f"{' ...' if len(unread) > 4 else ''} were read there from host memory instead of being fetched. "
+            f"Make that code traceable (TORCH_LOGS=graph_breaks shows where; OffloadPolicy(fullgraph=True) makes "
+            f"every graph break an error); then offload again: offload_compile(remove_offload(m), policy)")
+        raise RuntimeError(state.refused)
+
+    __call__ = torch.compiler.disable(
+        _call, reason="an offloaded model runs its own offloaded graph (compiled as its OffloadPolicy says); "
+                      "torch.compile around it cannot trace its weights without their transfers, so it is a graph "
+                      "boundary. Call it outside fullgraph=True regions, or compile it through its policy "
+                      "(compiler='inductor', fullgraph=True)")
+
+    def _run(self, runtime: OffloadRuntime, args: tuple, kwargs: dict) -> Any:
+        if self._compiled is None:
+            self._compiled = torch.compile(self.forward, backend=RuntimeBackend(runtime),
+                                           fullgraph=runtime.policy.fullgraph)
+        try:
+            return self._compiled(*args, **kwargs)
+        except Exception as exc:
+            error = model_error(exc) if is_tracing_error(exc) else None
+            if error is None:
+                raise
+            error.add_note(f"(raised while tracing the offloaded model with fake tensors: {exc.args[0]})"
+                           if exc.args else "(raised while tracing the offloaded model)")
+            raise error from None  # the model's own error (bad shapes), not dynamo's report of it
+
+    def _inputs_on_device(self, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+        """Tensor inputs elsewhere than the compute device are moved there (warned once); data-less (meta)
+        inputs are refused, and so are inputs that require grad (inference only)."""
+        moved = []
+
+        def place(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if value.requires_grad and torch.is_grad_enabled():
+                raise ValueError("an input requires grad, but an offloaded model runs inference only (no backward "
+                                 "through the transfers): pass inputs.detach(), or train the model un-offloaded")
+            if value.device == device:
+                return value
+            if value.is_meta:
+                raise ValueError(f"an input is on the meta device, so it has no data to compute on; pass real "
+                                 f"tensors (on {device})")
+            moved.append(str(value.device))
+            return value.to(device)
+
+        args, kwargs = pytree.tree_map(place, (args, kwargs))
+        if moved and not self._warned_inputs:
+            self._warned_inputs = True
+            warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
+                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=5)
+        return args, kwargs
+
+
+class _TraceThrough:
+    """An installed forward while its model's own graph is captured or run: dynamo traces into the module's
+    code; called from Python meanwhile (code dynamo ran between graphs, another thread) it takes the
+    offloaded route."""
+
+    def __init__(self, offloaded: _OffloadedForward) -> None:
+        self._offloaded = offloaded
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._offloaded.forward(*args, **kwargs)
+        return self._offloaded(*args, **kwargs)
+
+
+def _path_of(state: OffloadState, module: nn.Module) -> str:
+    """The dotted path of ``module`` in the offloaded model ("" for a pipeline's component: every group)."""
+    root = state.owner if isinstance(state.owner, nn.Module) else nn.Module()
+    return next((name for name, sub in root.named_modules() if sub is module), "")
+
+
+def _group_names(state: OffloadState, model: nn.Module) -> list[str]:
+    if state.runtime is not None:
+        return [g.name for g in state.runtime.groups]
+    return [spec.name for spec in plan_groups(model, state.policy.replace(blocks_per_group=1))]
+
+
+def _containers_of_groups(model: nn.Module, names: list[str]) -> list[str]:
+    """Modules strictly between the model and its groups that have a forward of their own (``encoder``,
+    ``model.decoder``; not the blocks, not module lists)."""
+    prefixes: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".") if name not in ("", "(root)") else []
+        for end in range(1, len(parts)):
+            prefixes[".".join(parts[:end])] = None
+    return [name for name in prefixes if _has_forward(model, name)]
+
+
+def _has_forward(model: nn.Module, name: str) -> bool:
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return False
+    return type(module).forward is not nn.Module.forward  # ModuleList/ModuleDict have none
+
+
+def _component_names(state: OffloadState, model: nn.Module) -> list[str]:
+    """Components (alternating, model, sequential over named components) are called on their own (a thinker's
+    output feeds a talker, a pipeline calls its text encoder): each runs a graph of its own."""
+    policy = state.policy
+    if state.runtime is None or not (policy.strategy in COMPONENT_STRATEGIES or (
+            policy.strategy == "sequential" and policy.components is not None)):
+        return []
+    return [g.name for g in state.runtime.groups if g.name not in ("", "(root)") and _has_forward(model, g.name)]
+
+
+def install_forwards(model: nn.Module, state: OffloadState) -> None:
+    """The model's forward (unless it is a pipeline's stand-in), its groups' containers' and its components'."""
+    names = _group_names(state, model)
+    wanted = ([(model, True)] if model is state.owner else []) + \
+        [(model.get_submodule(n), True) for n in _containers_of_groups(model, names)] + \
+        [(model.get_submodule(n), False) for n in _component_names(state, model)]
+    for module, must_graph in wanted:
+        if module not in state.forwards:
+            forward = _OffloadedForward(module, state, must_graph)
+            state.forwards[module] = forward
+            module.__dict__["forward"] = forward
+
+
+# -- in place: attach and detach ------------------------------------------------------------------------------
+
+def _attach(owner: Any, state: OffloadState, modules: list[nn.Module]) -> None:
+    """Swap the classes of ``modules`` (the model, or a pipeline's components) and watch every hook dict."""
+    owner.__dict__[STATE_ATTR] = state
+    for module in modules:
+        state.classes.append((module, type(module)))
+        module.__class__ = _offloaded_class(type(module))
+        module.__dict__[STATE_ATTR] = state
+        for sub in module.modules():
+            if sub not in state.watched:
+                state.watched[sub] = _watch_hooks(sub, state.name)
+                state.hooked += [(d, len(d)) for d in state.watched[sub] if d]
+
+
+def offload_module(model: nn.Module, policy: OffloadPolicy) -> OffloadState:
+    """Offload ``model`` in place. Nothing is attached before the runtime exists (a refused policy leaves the
+    model untouched); ``auto`` builds its runtime at its first call."""
+    runtime = None if policy.strategy == "auto" else build_runtime(model, policy)
+    state = OffloadState(model, policy, runtime)
+    _attach(model, state, [model])
+    install_forwards(model, state)
+    return state
+
+
+class PipelineModules(nn.Module):
+    """The nn.Module attributes of a pipeline object (diffusers-style), seen as one model."""
+
+    def __init__(self, pipeline: Any) -> None:
+        super().__init__()
+        found = {name: value for name, value in vars(pipeline).items() if isinstance(value, nn.Module)}
+        if not found:
+            raise TypeError(f"offload_compile takes an nn.Module or a pipeline whose components are nn.Module "
+                            f"attributes; {type(pipeline).__name__} has none")
+        for name, module in found.items():
+            self.add_module(name, module)
+
+
+def offload_pipeline(pipeline: Any, policy: OffloadPolicy) -> OffloadState:
+    modules = PipelineModules(pipeline)
+    state = OffloadState(pipeline, policy, build_runtime(modules, policy))
+    state.runtime.model_name = type(pipeline).__name__
+    _attach(pipeline, state, list(modules.children()))
+    install_forwards(modules, state)
+    return state
+
+
+def detach(state: OffloadState) -> Any:
+    """Undo offloading: weights get their own storage (and layout) back, classes, forwards and hook dicts are
+    restored, device copies dropped. Every handle to the old offload then refuses to run."""
+    with state.lock:
+        if state.runtime is not None:
+            state.runtime.unpack()
+        for module in state.forwards:
+            module.__dict__.pop("forward", None)
+        for module, originals in state.watched.items():
+            _unwatch_hooks(module, originals)
+        for module, cls in state.classes:
+            module.__class__ = cls
+            module.__dict__.pop(STATE_ATTR, None)
+        state.owner.__dict__.pop(STATE_ATTR, None)
+        state.ended = True
+        return state.owner
+
+
+# -- torch.compile(model, backend="omni_offload") ------------------------------------------------------------
+
+def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_: Any):
+    """``torch.compile(model, backend="omni_offload", options={"strategy": ..., ...} | {"policy": policy})``.
+
+    The first graph offloads the model in place (as `offload_compile` would, with packing deferred to the
+    first fetch: this graph was traced over the unpacked weights); from then on every call of the model —
+    the compiled wrapper, ``generate()``, the object itself — runs its offloaded forward."""
+    policy = OffloadPolicy.from_options(options)
+    if policy.strategy == "auto":
+        raise ValueError("strategy='auto' plans before compiling: use offload_compiler.offload_compile(model, "
+                         "OffloadPolicy(strategy='auto', device_budget_gb=...)) instead of torch.compile")
+    root = traced_module(gm)
+    if root is None:
+        raise RuntimeError(
+            "omni_offload could not find the nn.Module being compiled (its weights must be module parameters or "
+            "buffers); use offload_compiler.offload_compile(model, policy) instead")
+    state = state_of(root)
+    if state is None:
+        state = OffloadState(root, policy, build_runtime(root, policy, pack_now=False))
+        root.__dict__[STATE_ATTR] = state
+        return _AttachAtFirstRun(compile_graph(gm, example_inputs, state.runtime), state)
+    if state.policy != policy:
+        raise ValueError(f"{state.name} is already offloaded with another policy ({state.policy}); "
+                         f"remove_offload(model) first, then compile it with the new options")
+    return compile_graph(gm, example_inputs, state.runtime)
+
+
+class _AttachAtFirstRun:
+    """The first graph of ``omni_offload``: the model is made offloaded in place when this graph first runs,
+    not while dynamo is still compiling (it checks its guards on the model right after the backend returns)."""
+
+    def __init__(self, run: Any, state: OffloadState) -> None:
+        self._run = run
+        self._state = state
+
+    def __call__(self, *args: Any) -> Any:
+        state = self._state
+        if not state.classes and not state.ended:
+            with state.lock:
+                _attach(state.owner, state, [state.owner])
+                install_forwards(state.owner, state)
+        return self._run(*args)

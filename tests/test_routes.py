@@ -1,0 +1,227 @@
+"""Every route a user can take to call an offloaded model streams exactly the verified plan's bytes and
+fetches, or refuses with the fix named. One state per model, reached one way, whichever entry made it."""
+
+import contextvars
+import copy
+import gc
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import (OffloadedModule, OffloadPolicy, inject_fault, offload_compile, offload_stats,
+                              remove_offload, reset_offload_stats)
+from offload_compiler.testing.models import _diffusion_parts, llama, unet
+from offload_compiler.testing import assert_traffic_matches_plan
+
+COMPILERS = ["eager", "inductor"]
+
+
+def _llama():
+    model, inputs = llama(layers=2)
+    return model, inputs, copy.deepcopy(model)
+
+
+def _assert_same(got, expected, compiler, what=""):
+    if compiler == "eager" or not got.is_floating_point():
+        assert torch.equal(got, expected), what
+    else:  # inductor's kernels round differently from eager's
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def _tokens(model, ids):
+    return model.generate(ids, max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_every_route_of_a_language_model_streams_the_plan(compiler):
+    model, inputs, plain = _llama()
+    with torch.no_grad():
+        expected = plain(**inputs).logits
+        expected_tokens = _tokens(plain, inputs["input_ids"])
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", compiler=compiler))
+    assert m is model and isinstance(m, OffloadedModule) and isinstance(m, type(plain))
+
+    routes = {
+        "direct call": lambda: m(**inputs).logits,
+        "generate": lambda: _tokens(m, inputs["input_ids"]),
+        "the decoder stack called on its own": lambda: m.model(input_ids=inputs["input_ids"]).last_hidden_state,
+        "the user's torch.compile around the model": lambda: torch.compile(m)(**inputs).logits,
+        "a compiled function calling the model": lambda: torch.compile(lambda: m(**inputs).logits * 1)(),
+    }
+    with torch.no_grad():
+        direct_hidden = plain.model(input_ids=inputs["input_ids"]).last_hidden_state
+        wanted = {"direct call": expected, "generate": expected_tokens,
+                  "the decoder stack called on its own": direct_hidden,
+                  "the user's torch.compile around the model": expected,
+                  "a compiled function calling the model": expected}
+    for name, route in routes.items():
+        reset_offload_stats(m)
+        with torch.no_grad():
+            got = route()
+        _assert_same(got, wanted[name], compiler, name)
+        stats = assert_traffic_matches_plan(m)  # exactly the plans' bytes and fetches, for every graph that ran
+        assert stats.live_device_bytes == 0, name
+
+
+def test_fullgraph_around_an_offloaded_model_names_the_boundary():
+    model, inputs, plain = _llama()
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    with pytest.raises(Exception, match="an offloaded model runs its own offloaded graph.*compiler='inductor'"):
+        torch.compile(lambda: m(**inputs).logits + 1, fullgraph=True)()
+    with torch.no_grad():  # and nothing was lost
+        assert torch.equal(m(**inputs).logits, plain(**inputs).logits)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_the_backend_offloads_in_place_so_generate_streams_too(compiler):
+    model, inputs, plain = _llama()
+    c = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu",
+                                                              "compiler": compiler})
+    with pytest.raises(ValueError, match="not offloaded.*after its first call"):
+        offload_stats(c)  # torch.compile cannot tell its backend about the model before the first call
+    with torch.no_grad():
+        _assert_same(c(**inputs).logits, plain(**inputs).logits, compiler)
+        assert isinstance(model, OffloadedModule)
+        reset_offload_stats(c)
+        assert torch.equal(_tokens(c, inputs["input_ids"]), _tokens(plain, inputs["input_ids"]))
+    assert_traffic_matches_plan(model)  # one state: the wrapper and the model report the same
+    assert offload_stats(c) == offload_stats(model)
+
+
+def test_auto_plans_at_whatever_call_comes_first():
+    model, inputs, plain = _llama()
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb="free"))
+    assert offload_stats(m).fetch_count == 0  # nothing planned, nothing moved: no error either
+    reset_offload_stats(m)
+    with torch.no_grad():
+        tokens = _tokens(m, inputs["input_ids"])  # generate() is the first use: it plans from its first call
+        assert torch.equal(tokens, _tokens(plain, inputs["input_ids"]))
+    assert m._offload_runtime is not None and offload_stats(m).fetch_count > 0
+
+
+def test_auto_refuses_a_part_called_before_the_whole_model():
+    model, inputs, _ = _llama()
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb="free"))
+    with pytest.raises(RuntimeError, match="plans from a call of the whole"):
+        m.model(input_ids=inputs["input_ids"])
+
+
+class HeadAfterLoop(nn.Module):
+    """A data-dependent check inside the block loop: dynamo runs ``run_blocks`` without a graph."""
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def run_blocks(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+            if float(x.sum()) > 1e9:
+                x = x * 0
+        return x
+
+    def forward(self, x):
+        return self.head(self.run_blocks(self.proj(x)))
+
+
+def test_weights_read_outside_the_offloaded_graphs_are_refused_on_every_call():
+    model = HeadAfterLoop().eval()
+    x = torch.randn(2, 16)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    for _ in range(2):  # dynamo skips the frame silently from the second call on: still refused
+        with pytest.raises(RuntimeError, match=r"blocks\.0.*read there from host memory.*TORCH_LOGS=graph_breaks"):
+            m(x)
+    plain = remove_offload(m)
+    assert all(torch.equal(v, snapshot[k]) for k, v in plain.state_dict().items())
+
+
+class Stack(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_hooks_changed_after_offloading_are_refused_and_nothing_changes():
+    model = Stack().eval()
+    x = torch.randn(2, 8)
+    early = model.blocks[0].register_forward_hook(lambda mod, args, out: out * 2)  # before: captured
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    assert torch.equal(m(x), expected)
+    with pytest.raises(RuntimeError, match="a hook registered now would be silently ignored.*remove_offload"):
+        m.blocks[1].register_forward_hook(lambda mod, args, out: out + 1)
+    with pytest.raises(RuntimeError, match="registered now"):
+        m.register_forward_pre_hook(lambda mod, args: None)
+    reset_offload_stats(m)
+    assert torch.equal(m(x), expected)
+    assert_traffic_matches_plan(m)
+    early.remove()  # through a handle from before offloading: noticed at the next call
+    with pytest.raises(RuntimeError, match="a hook removed now would be silently ignored"):
+        m(x)
+    plain = remove_offload(m)  # hooks can change again once the model is given back
+    assert not plain.blocks[0]._forward_hooks and torch.equal(plain(x), torch.relu(torch.relu(torch.relu(
+        plain.blocks[0](x)) @ plain.blocks[1].weight.T + plain.blocks[1].bias) @ plain.blocks[2].weight.T
+        + plain.blocks[2].bias))
+    plain.blocks[1].register_forward_hook(lambda mod, args, out: out + 1)
+
+
+def _sd_pipeline():
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    text_encoder, _, vae, _ = _diffusion_parts(0)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=None, unet=unet(0)[0],
+                                   scheduler=DDIMScheduler(clip_sample=False), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _denoise(pipe, embeddings):
+    return pipe(prompt_embeds=embeddings, negative_prompt_embeds=torch.zeros_like(embeddings), height=8, width=8,
+                num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(1)).images
+
+
+def test_model_level_offload_of_a_unet_pipeline_streams_the_unet_on_every_call():
+    pipe = _sd_pipeline()
+    embeddings = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
+    expected = _denoise(pipe, embeddings)
+    offload_compile(pipe, OffloadPolicy(strategy="model", device="cpu", keep_after_use=False))
+    names = {g.name: g for g in pipe._offload_state.runtime.groups}
+    assert set(names) == {"unet", "text_encoder"}  # the UNet is the denoiser, not its inner block lists
+    for _ in range(2):
+        reset_offload_stats(pipe)
+        assert torch.equal(_denoise(pipe, embeddings), expected)
+        stats = assert_traffic_matches_plan(pipe)
+        assert stats.bytes_transferred == 2 * names["unet"].nbytes  # 2 steps (conditional and unconditional batched)
+    inject_fault(pipe, "fetch", "unet")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        _denoise(pipe, embeddings)
+    assert torch.equal(_denoise(pipe, embeddings), expected)
+
+
+def test_ten_thousand_forwards_leave_the_context_and_memory_where_they_were():
+    model = Stack().eval()
+    x = torch.randn(1, 8)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    for _ in range(50):
+        m(x)
+    gc.collect()
+    context = len(contextvars.copy_context())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the high-water mark
+    for _ in range(10_000):
+        m(x)
+    gc.collect()
+    assert len(contextvars.copy_context()) == context
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 20 * 1024  # < 20 MiB over 10,000 calls
