@@ -85,7 +85,7 @@ def staged(gm, example_inputs, runtime: OffloadRuntime) -> dict[str, float]:
     schedule = build_schedule(uses, runtime.policy.prefetch)
     c3 = time.perf_counter()
     resident = {w.group for w in weights.values()} - streamed
-    rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id,
+    rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
                                  runtime.new_fetch_key)
     c4 = time.perf_counter()
     verify(rewritten.graph_module, weights, {g.index: g.nbytes for g in runtime.groups})

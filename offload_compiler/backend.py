@@ -81,7 +81,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     # alternating: a component is alone on the device while it runs, so nothing is fetched ahead of it
     schedule = build_schedule(uses, 0 if alternating else policy.prefetch, carry=policy.prefetch_next_call)
     resident = {w.group for w in weights.values()} - streamed
-    rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id,
+    rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
                                  runtime.new_fetch_key, _parked_instance(schedule, runtime),
                                  frozenset(runtime.dtensor_specs), materialize_readers=policy.compiler == "inductor")
     group_bytes = {g.index: g.nbytes for g in runtime.groups}

@@ -32,9 +32,9 @@ def _token(*_) -> torch.Tensor:
     return torch.empty(0)
 
 
-def _fake_views(runtime: int, group: int, *_) -> list[torch.Tensor]:
+def _fake_buffers(runtime: int, group: int, *_) -> list[torch.Tensor]:
     rt = runtime_by_id(runtime)
-    return [torch.empty(shape, dtype=dtype, device=rt.device) for shape, dtype in rt.weight_layout(group)]
+    return [torch.empty(numel, dtype=dtype, device=rt.device) for numel, dtype in rt.bucket_layout(group)]
 
 
 def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor], mode: int = 0) -> torch.Tensor:
@@ -46,7 +46,7 @@ def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor], mode:
 
 
 def wait(runtime: int, group: int, key: int, deps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``to_device``: one view per weight of the group over its device slot, ready for compute. The graph
+    """``to_device``: the flat buffers (one per dtype) of the group's device slot, ready for compute. The graph
     returns them as extra outputs, so inductor never frees or reuses the slot's memory."""
     return runtime_by_id(runtime).wait(key, group)
 
@@ -60,16 +60,16 @@ def evict(runtime: int, group: int, poison: bool, buffers: list[torch.Tensor], u
 
 
 def resident(runtime: int, group: int) -> list[torch.Tensor]:
-    """One view per weight of a resident group's persistent device copy (fetched on first use or after a
-    host change)."""
+    """The flat buffers of a resident group's persistent device copy (fetched on first use or after a host
+    change)."""
     return runtime_by_id(runtime).resident(group)
 
 
 _define("prefetch(int runtime, int group, int key, Tensor[] deps, int mode=0) -> Tensor", prefetch, _token)
-_define("wait(int runtime, int group, int key, Tensor[] deps) -> Tensor[]", wait, _fake_views)
+_define("wait(int runtime, int group, int key, Tensor[] deps) -> Tensor[]", wait, _fake_buffers)
 _define("evict(int runtime, int group, bool poison, Tensor[] buffers, Tensor[] users, bool park=False) -> Tensor",
         evict, _token, tags=(torch.Tag.flexible_layout,))
-_define("resident(int runtime, int group) -> Tensor[]", resident, _fake_views)
+_define("resident(int runtime, int group) -> Tensor[]", resident, _fake_buffers)
 
 
 @custom_op(f"{NAMESPACE}::materialize", mutates_args=())

@@ -144,27 +144,41 @@ class Ledger:
 
 class DeviceSlot:
     """Fixed device memory for one group copy: one flat buffer per bucket of its size class, allocated once.
-    ``group`` is the group whose copy is in it (None when free); the per-weight views over it are made once
-    per group, so a fetch creates no tensor. On CUDA, ``ready`` is recorded on the copy stream after a fill
+    ``group`` is the group whose copy is in it (None when free); a fetch creates no tensor (the graph views
+    the weights over the buffers). On CUDA, ``ready`` is recorded on the copy stream after a fill
     (compute waits on it) and ``free`` on the compute stream after an evict (the next fill waits on it)."""
 
     def __init__(self, size_class: tuple, device: torch.device, index: int) -> None:
         self.size_class = size_class
         self.index = index
-        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype in size_class]
+        self.device = device
         self.nbytes = sum(numel * dtype.itemsize for numel, dtype in size_class)
         self.group: int | None = None
-        self._views: dict[int, list[torch.Tensor]] = {}
-        cuda = device.type == "cuda"
-        self.ready = torch.cuda.Event() if cuda else None
-        self.free = torch.cuda.Event() if cuda else None
+        self._buffers: list[torch.Tensor] | None = None
+        self._events: tuple | None = None
 
-    def views(self, group: Group) -> list[torch.Tensor]:
-        views = self._views.get(group.index)
-        if views is None:
-            views = self._views[group.index] = [
-                self.buffers[s.bucket][s.offset:s.offset + s.numel].view(s.shape) for s in group.slots]
-        return views
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Allocated at the slot's first fill (the first call), not when a graph is planned: planning touches no
+        device memory (and a graph can be rewritten for a device this process cannot allocate on)."""
+        if self._buffers is None:
+            self._buffers = [torch.empty(numel, dtype=dtype, device=self.device) for numel, dtype in self.size_class]
+        return self._buffers
+
+    def _event(self, which: int):
+        if self.device.type != "cuda":
+            return None
+        if self._events is None:
+            self._events = (torch.cuda.Event(), torch.cuda.Event())
+        return self._events[which]
+
+    @property
+    def ready(self):
+        return self._event(0)
+
+    @property
+    def free(self):
+        return self._event(1)
 
     def poison(self) -> None:
         for buf in self.buffers:
@@ -370,10 +384,9 @@ class OffloadRuntime:
         _RUNTIMES[self.id] = self
 
     # -- layout, used by the passes and by the ops' fake implementations -------------------------
-    def weight_layout(self, group: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each weight of a group, in slot order: what `wait` and `resident` return."""
-        g = self.groups[group]
-        return [(s.shape, g.buckets[s.bucket].dtype) for s in g.slots]
+    def bucket_layout(self, group: int) -> list[tuple[int, torch.dtype]]:
+        """Size and dtype of each flat buffer of a group: what `wait` and `resident` return."""
+        return list(size_class(self.groups[group]))
 
     def new_fetch_key(self) -> int:
         return next(self._fetch_keys)
@@ -536,13 +549,13 @@ class OffloadRuntime:
         self._release(self._parked.pop(group)[0])
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
-        """The group's per-weight views over its slot, ready for compute (the same tensors every call)."""
+        """The group's slot, ready for compute: its flat buffers (the same tensors every call)."""
         group = self._actual(group)
         self.used_groups.add(group)
         g = self.groups[group]
         slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], g)
         self._live[group] = self._ready(slot)
-        return slot.views(g)
+        return slot.buffers
 
     def evict(self, group: int, poison: bool, park: bool = False) -> None:
         group = self._actual(group)
@@ -598,7 +611,7 @@ class OffloadRuntime:
             if held is not None:
                 self._release(slot)
             self._resident[group] = (self._ready(self._fill(slot, g)), stamp)
-        return self._resident[group][0].views(g)
+        return self._resident[group][0].buffers
 
     def begin_graph(self, carry_keys: frozenset[int]) -> None:
         """A graph is about to run: copies carried for another graph (the next call took a different graph:

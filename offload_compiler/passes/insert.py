@@ -34,13 +34,28 @@ class Rewritten:
     carry_keys: frozenset[int] = frozenset()  # fetch keys whose copies this graph prefetches for its next call
 
 
-def _weight_views(graph: fx.Graph, fetched: fx.Node, group: int, slots: set[int], runtime_id: int = 0,
-                  dtensors: frozenset = frozenset()) -> tuple[list[fx.Node], dict[int, fx.Node]]:
-    """The fetch op's per-weight device views that this graph reads, and what each weight slot reads."""
-    items, views = [], {}
+Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per weight slot (bucket, shape, offset)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _weight_views(graph: fx.Graph, fetched: fx.Node, group: int, slots: set[int], layout: Layout,
+                  runtime_id: int = 0, dtensors: frozenset = frozenset()) -> tuple[list[fx.Node], dict[int, fx.Node]]:
+    """The fetch op's flat device buffers (one per dtype: separate allocations, so the op's outputs alias
+    nothing) and, over them, a view per weight slot this graph reads."""
+    n_buckets = 1 + max(bucket for bucket, _, _ in layout[group])
+    items = [graph.call_function(operator.getitem, (fetched, b)) for b in range(n_buckets)]
+    views = {}
     for slot in sorted(slots):
-        views[slot] = graph.call_function(operator.getitem, (fetched, slot))
-        items.append(views[slot])
+        bucket, shape, offset = layout[group][slot]
+        views[slot] = graph.call_function(torch.ops.aten.as_strided.default,
+                                          (items[bucket], list(shape), list(_contiguous_stride(shape)), offset))
         if (group, slot) in dtensors:  # tensor parallel: the DTensor rebuilt around the fetched local shard
             views[slot] = graph.call_function(from_local_slot, (views[slot], runtime_id, group, slot))
         views[slot].meta["offload_slot"] = (group, slot)
@@ -79,7 +94,7 @@ def needs_materializing(reader: fx.Node) -> bool:
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
                      reads: dict[tuple[fx.Node, int], list[Reads]], resident_groups: set[int],
-                     runtime_id: int, fetch_key, park: frozenset[int] = frozenset(),
+                     runtime_id: int, layout: Layout, fetch_key, park: frozenset[int] = frozenset(),
                      dtensors: frozenset = frozenset(), materialize_readers: bool = False) -> Rewritten:
     """``materialize_readers`` (inductor): later nodes read a copy (`ops.materialize`) of each streamed weight
     reader that inductor could re-compute after the evict, made right after the reader."""
@@ -119,8 +134,8 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     def emit_resident() -> None:
         for group in sorted(resident_groups & set(slots_in_graph)):
             buffers = graph.call_function(OPS.resident.default, (runtime_id, group))
-            items, resident_views[group] = _weight_views(graph, buffers, group, slots_in_graph[group], runtime_id,
-                                                         dtensors)
+            items, resident_views[group] = _weight_views(graph, buffers, group, slots_in_graph[group], layout,
+                                                         runtime_id, dtensors)
             slot_views.extend(items)
 
     def emit_prefetch(inst, mode: int) -> None:
@@ -151,8 +166,8 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             buffers = graph.call_function(OPS.wait.default, (runtime_id, inst.group, keys[inst.index],
                                                              [last_prefetch] + evicts_since_wait))
             evicts_since_wait = []
-            fetched[inst.index] = _weight_views(graph, buffers, inst.group, slots_in_graph[inst.group], runtime_id,
-                                                dtensors)
+            fetched[inst.index] = _weight_views(graph, buffers, inst.group, slots_in_graph[inst.group], layout,
+                                                runtime_id, dtensors)
             slot_views.extend(fetched[inst.index][0])
         if node.op == "output":
             for index in carry_of.get(len(schedule.instances), []):
