@@ -20,9 +20,10 @@ from .grouping import GroupSpec, plan_groups
 from .passes.analysis import collect_uses, weight_inputs
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
+from .passes.slots import assign_slots, pool_bytes
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
-from .runtime import OffloadRuntime
+from .runtime import OffloadRuntime, size_class
 
 OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
                  "offload_compile(model, policy)")
@@ -36,6 +37,7 @@ class GraphPlan:
     verified: Verified
     num_nodes: int
     carry_keys: frozenset[int] = frozenset()  # fetch keys carried from one call of the graph to the next
+    pool_bytes: int = 0  # the device slots its streamed fetches land in (at least the streamed peak)
 
 
 def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, move: bool) -> None:
@@ -82,9 +84,14 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
                                  runtime.new_fetch_key, _parked_instance(schedule, runtime),
                                  frozenset(runtime.dtensor_specs), materialize_readers=policy.compiler == "inductor")
-    verified = verify(rewritten.graph_module, weights, {g.index: g.nbytes for g in runtime.groups})
+    group_bytes = {g.index: g.nbytes for g in runtime.groups}
+    verified = verify(rewritten.graph_module, weights, group_bytes)
+    class_of = lambda group: size_class(runtime.groups[group])  # noqa: E731
+    slots = assign_slots(rewritten.graph_module, class_of)
+    runtime.plan_slots(slots)
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(schedule, verified, len(gm.graph.nodes),
-                                                                    rewritten.carry_keys)
+                                                                    rewritten.carry_keys,
+                                                                    pool_bytes(slots, class_of, group_bytes))
 
 
 class RuntimeBackend:

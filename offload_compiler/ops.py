@@ -1,6 +1,10 @@
-"""Transfer ops inserted into the graph. They are custom ops with fake implementations, so dynamo, AOT
-autograd and inductor treat them as opaque kernels; their order is fixed by token tensors (data), not by
-declared effects, which inductor does not honour for ordering (see DESIGN.md)."""
+"""Transfer ops inserted into the graph. They are opaque kernels with fake implementations, so AOT autograd
+and inductor treat them as extern calls; their order is fixed by token tensors (data), not by declared
+effects, which inductor does not honour for ordering (see DESIGN.md).
+
+The per-group ops (prefetch, wait, evict, resident) are defined with ``torch.library.Library`` define/impl
+rather than ``torch.library.custom_op``: the same schema, a fraction of the dispatch cost per call (custom_op
+wraps every call in Python layers that the hot path pays once per op per group)."""
 
 from __future__ import annotations
 
@@ -10,53 +14,62 @@ from torch.library import custom_op
 from ._registry import runtime_by_id
 
 NAMESPACE = "offload_compiler"
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+# order tokens, never written: an op's result must not be one of its inputs, so consecutive prefetches
+# (each takes the previous one's token) alternate between two, and evicts return a third
+_PREFETCH_TOKENS = [torch.empty(0), torch.empty(0)]
+_EVICT_TOKEN = torch.empty(0)
 
 
-def _token() -> torch.Tensor:
+def _define(schema: str, impl, fake, tags: tuple = ()) -> None:
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema, tags=tags)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
+
+
+def _token(*_) -> torch.Tensor:
     return torch.empty(0)
 
 
-def _fake_buffers(runtime: int, group: int) -> list[torch.Tensor]:
+def _fake_buffers(runtime: int, group: int, *_) -> list[torch.Tensor]:
     rt = runtime_by_id(runtime)
     return [torch.empty(numel, dtype=dtype, device=rt.device) for numel, dtype in rt.bucket_layout(group)]
 
 
-@custom_op(f"{NAMESPACE}::prefetch", mutates_args=())
 def prefetch(runtime: int, group: int, key: int, deps: list[torch.Tensor], mode: int = 0) -> torch.Tensor:
-    """Start copying ``group`` to the device (asynchronously on an accelerator); returns a token. ``mode``:
-    `passes.schedule.FETCH`, `ADOPT` or `CARRY` (see `OffloadRuntime.prefetch`)."""
+    """Start copying ``group`` into the slot planned for ``key`` (asynchronously on an accelerator); returns a
+    token. ``mode``: `passes.schedule.FETCH`, `ADOPT` or `CARRY` (see `OffloadRuntime.prefetch`)."""
     runtime_by_id(runtime).prefetch(key, group, mode)
-    return _token()
+    _PREFETCH_TOKENS.reverse()
+    return _PREFETCH_TOKENS[0]
 
 
-@prefetch.register_fake
-def _(runtime, group, key, deps, mode=0):
-    return _token()
-
-
-@custom_op(f"{NAMESPACE}::wait", mutates_args=())
 def wait(runtime: int, group: int, key: int, deps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``to_device``: the group's device buffers (one flat buffer per dtype), ready for compute."""
+    """``to_device``: the flat buffers (one per dtype) of the group's device slot, ready for compute. The graph
+    returns them as extra outputs, so inductor never frees or reuses the slot's memory."""
     return runtime_by_id(runtime).wait(key, group)
 
 
-@wait.register_fake
-def _(runtime, group, key, deps):
-    return _fake_buffers(runtime, group)
+def evict(runtime: int, group: int, poison: bool, buffers: list[torch.Tensor], users: list[torch.Tensor],
+          park: bool = False) -> torch.Tensor:
+    """Runs after every reader of ``buffers``; their slot is free for the next fill after it, unless ``park``
+    keeps the copy on the device for the next call."""
+    runtime_by_id(runtime).evict(group, poison, park)
+    return _EVICT_TOKEN
 
 
-@custom_op(f"{NAMESPACE}::evict", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def evict(runtime: int, group: int, poison: bool, buffers: list[torch.Tensor],
-          users: list[torch.Tensor], park: bool = False) -> torch.Tensor:
-    """Runs after every reader of ``buffers``; the graph drops the buffers right after it, unless ``park``
-    keeps them on the device for the next call (they are then graph outputs, so never reused by inductor)."""
-    runtime_by_id(runtime).evict(group, buffers, poison, park)
-    return _token()
+def resident(runtime: int, group: int) -> list[torch.Tensor]:
+    """The flat buffers of a resident group's persistent device copy (fetched on first use or after a host
+    change)."""
+    return runtime_by_id(runtime).resident(group)
 
 
-@evict.register_fake
-def _(runtime, group, poison, buffers, users, park=False):
-    return _token()
+_define("prefetch(int runtime, int group, int key, Tensor[] deps, int mode=0) -> Tensor", prefetch, _token)
+_define("wait(int runtime, int group, int key, Tensor[] deps) -> Tensor[]", wait, _fake_buffers)
+_define("evict(int runtime, int group, bool poison, Tensor[] buffers, Tensor[] users, bool park=False) -> Tensor",
+        evict, _token, tags=(torch.Tag.flexible_layout,))
+_define("resident(int runtime, int group) -> Tensor[]", resident, _fake_buffers)
 
 
 @custom_op(f"{NAMESPACE}::materialize", mutates_args=())
@@ -70,14 +83,3 @@ def materialize(value: torch.Tensor) -> torch.Tensor:
 @materialize.register_fake
 def _(value):
     return torch.empty_like(value)
-
-
-@custom_op(f"{NAMESPACE}::resident", mutates_args=())
-def resident(runtime: int, group: int) -> list[torch.Tensor]:
-    """The persistent device copy of a resident group (fetched on first use or after a host change)."""
-    return [t.view(t.shape) for t in runtime_by_id(runtime).resident(group)]
-
-
-@resident.register_fake
-def _(runtime, group):
-    return _fake_buffers(runtime, group)

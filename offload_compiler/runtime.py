@@ -73,8 +73,7 @@ class Carried:
     """A copy prefetched at the end of a call for the next call of the same graph."""
     group: int
     stamp: tuple  # the group's host weights when copied: a changed weight makes the copy stale
-    buffers: list[torch.Tensor]
-    done: object
+    slot: "DeviceSlot"
 
 
 @dataclasses.dataclass
@@ -123,43 +122,92 @@ class Group:
 
 
 class Ledger:
-    """Exact live bytes of device weight copies. A copy stops counting when the schedule evicts it or when
-    its storage dies, whichever comes first: inductor may reuse an evicted copy's memory for activations,
-    which is then no longer a weight, while a copy that outlives its call without being evicted (a failed
-    call) keeps counting until its storage is really gone."""
+    """Exact live bytes of device weight copies, derived from the device pool's state: a slot counts from the
+    copy that fills it until the schedule evicts it (or a failed call abandons it); a resident group's copy
+    while it is held."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: dict[int, list] = {}  # id of the storage object -> [nbytes, released]
         self.live = 0
         self.peak = 0
 
-    def track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        entry = [storage.nbytes(), False]
-        with self._lock:
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
-            self._open[id(storage)] = entry
-        weakref.finalize(storage, self._release, id(storage), entry)
+    def occupy(self, nbytes: int) -> None:
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
 
-    def evicted(self, tensor: torch.Tensor) -> None:
-        key = id(tensor.untyped_storage())
-        entry = self._open.get(key)
-        if entry is not None:
-            self._release(key, entry)
-
-    def _release(self, key: int, entry: list) -> None:
-        with self._lock:
-            if self._open.get(key) is entry:
-                del self._open[key]
-            if not entry[1]:
-                entry[1] = True
-                self.live -= entry[0]
+    def release(self, nbytes: int) -> None:
+        self.live -= nbytes
 
     def reset_peak(self) -> None:
-        with self._lock:
-            self.peak = self.live
+        self.peak = self.live
+
+
+class DeviceSlot:
+    """Fixed device memory for one group copy: one flat buffer per bucket of its size class, allocated once.
+    ``group`` is the group whose copy is in it (None when free); a fetch creates no tensor (the graph views
+    the weights over the buffers). On CUDA, ``ready`` is recorded on the copy stream after a fill
+    (compute waits on it) and ``free`` on the compute stream after an evict (the next fill waits on it)."""
+
+    def __init__(self, size_class: tuple, device: torch.device, index: int) -> None:
+        self.size_class = size_class
+        self.index = index
+        self.device = device
+        self.nbytes = sum(numel * dtype.itemsize for numel, dtype in size_class)
+        self.group: int | None = None
+        self._buffers: list[torch.Tensor] | None = None
+        self._events: tuple | None = None
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Allocated at the slot's first fill (the first call), not when a graph is planned: planning touches no
+        device memory (and a graph can be rewritten for a device this process cannot allocate on)."""
+        if self._buffers is None:
+            self._buffers = [torch.empty(numel, dtype=dtype, device=self.device) for numel, dtype in self.size_class]
+        return self._buffers
+
+    def _event(self, which: int):
+        if self.device.type != "cuda":
+            return None
+        if self._events is None:
+            self._events = (torch.cuda.Event(), torch.cuda.Event())
+        return self._events[which]
+
+    @property
+    def ready(self):
+        return self._event(0)
+
+    @property
+    def free(self):
+        return self._event(1)
+
+    def poison(self) -> None:
+        for buf in self.buffers:
+            buf.fill_(float("nan") if buf.dtype.is_floating_point or buf.dtype.is_complex
+                      else (True if buf.dtype == torch.bool else torch.iinfo(buf.dtype).max))
+
+
+def size_class(group: Group) -> tuple:
+    """Groups whose flat buffers have the same sizes and dtypes share device slots."""
+    return tuple((b.numel, b.dtype) for b in group.buckets)
+
+
+class DevicePool:
+    """The device slots of one runtime, per size class; grown only when a graph is compiled (to the most
+    slots any verified plan needs at once), never while a graph runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: dict[tuple, list[DeviceSlot]] = {}
+
+    def reserve(self, size_class: tuple, count: int) -> list[DeviceSlot]:
+        slots = self.slots.setdefault(size_class, [])
+        while len(slots) < count:
+            slots.append(DeviceSlot(size_class, self.device, len(slots)))
+        return slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for slots in self.slots.values() for s in slots)
 
 
 class PinningUnavailable(RuntimeError):
@@ -321,9 +369,12 @@ class OffloadRuntime:
         self.bytes_transferred = 0
         self.fetch_count = 0
         self.used_groups: set[int] = set()  # groups a graph read in the current call (fetched or resident)
-        self._pending: dict[int, tuple[list[torch.Tensor], object]] = {}
-        self._resident: dict[int, tuple[list[torch.Tensor], tuple]] = {}
-        self._parked: dict[int, tuple[list[torch.Tensor], tuple]] = {}
+        self.pool = DevicePool(self.device)
+        self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
+        self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
+        self._live: dict[int, DeviceSlot] = {}  # group -> slot waited for, not yet evicted (this call)
+        self._resident: dict[int, tuple[DeviceSlot, tuple]] = {}  # group -> its own slot, host stamp
+        self._parked: dict[int, tuple[DeviceSlot, tuple]] = {}
         self._carried: dict[int, Carried] = {}  # fetch key -> copy made by the previous call
         self._carry_used: set[int] = set()  # keys whose carried copy was taken at least once
         self._carry_misses: dict[int, int] = {}  # keys whose carried copy was dropped unused, how often
@@ -334,7 +385,8 @@ class OffloadRuntime:
 
     # -- layout, used by the passes and by the ops' fake implementations -------------------------
     def bucket_layout(self, group: int) -> list[tuple[int, torch.dtype]]:
-        return [(b.numel, b.dtype) for b in self.groups[group].buckets]
+        """Size and dtype of each flat buffer of a group: what `wait` and `resident` return."""
+        return list(size_class(self.groups[group]))
 
     def new_fetch_key(self) -> int:
         return next(self._fetch_keys)
@@ -343,30 +395,75 @@ class OffloadRuntime:
     def total_bytes(self) -> int:
         return sum(g.nbytes for g in self.groups)
 
+    # -- the device pool: slots planned per fetch key when a graph is compiled ----------------------
+    def plan_slots(self, assignment: dict[int, tuple[int, int]]) -> None:
+        """Bind each fetch key to its pool slot: ``assignment`` maps key -> (group, slot index within the
+        group's size class), as the slot pass planned it; the pool grows to hold every slot named."""
+        for key, (group, index) in assignment.items():
+            self._slot_of[key] = self.pool.reserve(size_class(self.groups[group]), index + 1)[index]
+
     # -- transfers --------------------------------------------------------------------------------
-    def _copy_group(self, group: Group) -> tuple[list[torch.Tensor], object]:
+    def _fill(self, slot: DeviceSlot, group: Group) -> DeviceSlot:
+        """Copy a group's host buffers into its slot (asynchronously on an accelerator); no allocation."""
         if not group.packed:  # deferred while dynamo still traces the unpacked weights
             self._pack(group)
         self._refresh_host(group)
-        self._maybe_fail("fetch", group.index)
-        buffers = [torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in group.buckets]
-        done = None
-        if self.device.type == "cuda":
-            stream = self._stream()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for buf, bucket in zip(buffers, group.buckets):
-                    buf.copy_(bucket.source(), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
+        if self._faults:
+            self._maybe_fail("fetch", group.index)
+        if slot.group is not None:
+            self._vacate(slot)
+        if slot.ready is not None:
+            self._copy_on_stream(slot, group)
         else:
-            for buf, bucket in zip(buffers, group.buckets):
+            for buf, bucket in zip(slot.buffers, group.buckets):
                 buf.copy_(bucket.source())
-        for buf in buffers:
-            self.ledger.track(buf)
+        slot.group = group.index
+        self.ledger.occupy(slot.nbytes)
         self.bytes_transferred += group.nbytes
         self.fetch_count += 1
-        return buffers, done
+        return slot
+
+    def _copy_on_stream(self, slot: DeviceSlot, group: Group) -> None:
+        """The copy stream refills a slot only after the compute that read its previous contents (the
+        slot's ``free`` event; inside a CUDA-graph capture, everything issued before, which also joins the
+        copy stream into the capture); compute waits on ``ready``."""
+        stream = self._stream()
+        current = torch.cuda.current_stream(self.device)
+        if torch.cuda.is_current_stream_capturing():
+            stream.wait_stream(current)
+        else:
+            stream.wait_event(slot.free)
+        with torch.cuda.stream(stream):
+            for buf, bucket in zip(slot.buffers, group.buckets):
+                buf.copy_(bucket.source(), non_blocking=True)
+        slot.ready.record(stream)
+
+    def _ready(self, slot: DeviceSlot) -> DeviceSlot:
+        if slot.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        return slot
+
+    def _release(self, slot: DeviceSlot) -> None:
+        """The slot's copy is gone (evicted, dropped): free for the next fill once its readers finished."""
+        if slot.group is None:
+            return
+        slot.group = None
+        self.ledger.release(slot.nbytes)
+        if slot.free is not None:
+            slot.free.record(torch.cuda.current_stream(self.device))
+
+    def _vacate(self, slot: DeviceSlot) -> None:
+        """A slot about to be refilled still holds a copy kept between calls (a parked component, a copy
+        carried for another graph): that copy goes. A copy of the running call there is a planning bug."""
+        for group, (held, _) in list(self._parked.items()):
+            if held is slot:
+                del self._parked[group]
+        for key, carried in list(self._carried.items()):
+            if carried.slot is slot:
+                del self._carried[key]
+        if slot in self._pending.values() or slot in self._live.values():
+            raise AssertionError(f"device slot {slot.index} of {slot.size_class} refilled while in use")
+        self._release(slot)
 
     def _pack(self, group: Group) -> None:
         pack_group(group, self.pinned, self._pinning_failed, self._registrations)
@@ -414,54 +511,63 @@ class OffloadRuntime:
 
     def prefetch(self, key: int, group: int, mode: int = FETCH) -> None:
         """FETCH: copy now; ADOPT: take the copy the previous call carried for ``key`` if still valid (same
-        group, host weights unchanged), else copy; CARRY: copy for the next call (prefetch wrap-around)."""
+        group, host weights unchanged), else copy; CARRY: copy for the next call (prefetch wrap-around).
+        Every copy lands in the slot planned for ``key``."""
         group = self._actual(group)
         g = self.groups[group]
+        slot = self._slot_of[key]
         if mode == CARRY:
             if self.group_remap is None and self._carry_misses.get(key, 0) < CARRY_MISSES_TO_STOP:
-                buffers, done = self._copy_group(g)
-                self._carried[key] = Carried(group, self._stamp(g), buffers, done)
+                self._carried[key] = Carried(group, self._stamp(g), self._fill(slot, g))
             return
-        if mode == ADOPT:
-            carried = self._carried.pop(key, None)
-            if carried is not None and carried.group == group and carried.stamp == self._stamp(g):
-                self._pending[key] = (carried.buffers, carried.done)
-                self._carry_used.add(key)
-                self.carry_hits += 1
-                return
-            if carried is not None:
-                self._drop(carried.buffers, carried.done)
+        if mode == ADOPT and self._adopt(key, g):
+            return
         if g.exclusive:  # alternating: other components leave before this one arrives
             for other in [o for o in self._parked if o != group]:
-                del self._parked[other]
-        parked = self._parked.get(group)
-        if parked is not None and parked[1] == self._stamp(g):
-            self._pending[key] = (parked[0], None)
-        else:
-            self._parked.pop(group, None)
-            self._pending[key] = self._copy_group(g)
+                self._unpark(other)
+        parked = self._parked.pop(group, None)
+        if parked is not None and parked[0] is slot and parked[1] == self._stamp(g):
+            self._pending[key] = slot
+            return
+        if parked is not None:
+            self._release(parked[0])
+        self._pending[key] = self._fill(slot, g)
+
+    def _adopt(self, key: int, group: Group) -> bool:
+        carried = self._carried.pop(key, None)
+        if carried is None:
+            return False
+        if carried.group == group.index and carried.stamp == self._stamp(group):
+            self._pending[key] = carried.slot
+            self._carry_used.add(key)
+            self.carry_hits += 1
+            return True
+        self._release(carried.slot)
+        return False
+
+    def _unpark(self, group: int) -> None:
+        self._release(self._parked.pop(group)[0])
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
+        """The group's slot, ready for compute: its flat buffers (the same tensors every call)."""
         group = self._actual(group)
         self.used_groups.add(group)
-        buffers, done = self._pending.pop(key, None) or self._copy_group(self.groups[group])
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-        return buffers
+        g = self.groups[group]
+        slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], g)
+        self._live[group] = self._ready(slot)
+        return slot.buffers
 
-    def evict(self, group: int, buffers: list[torch.Tensor], poison: bool, park: bool = False) -> None:
+    def evict(self, group: int, poison: bool, park: bool = False) -> None:
         group = self._actual(group)
-        self._maybe_fail("evict", group)
+        if self._faults:
+            self._maybe_fail("evict", group)
+        slot = self._live.pop(group)
         if park:  # latency-minimising: stays on the device until another component needs the room
-            self._parked[group] = (buffers, self._stamp(self.groups[group]))
+            self._parked[group] = (slot, self._stamp(self.groups[group]))
             return
-        self._parked.pop(group, None)
-        for buf in buffers:
-            self.ledger.evicted(buf)
         if poison and self.policy.debug_poison:
-            for buf in buffers:
-                buf.fill_(float("nan") if buf.dtype.is_floating_point or buf.dtype.is_complex
-                          else (True if buf.dtype == torch.bool else torch.iinfo(buf.dtype).max))
+            slot.poison()
+        self._release(slot)
 
     def _actual(self, group: int) -> int:
         remap = self.group_remap
@@ -493,52 +599,50 @@ class OffloadRuntime:
         return tuple((local_of(s.tensor)._version, local_of(s.tensor).data_ptr()) for s in group.slots)
 
     def resident(self, group: int) -> list[torch.Tensor]:
-        """The persistent device copy of a resident group, refetched when a host weight changed."""
+        """The persistent device copy of a resident group (a slot of its own, outside the streamed pool),
+        refilled in place when a host weight changed."""
         group = self._actual(group)
         self.used_groups.add(group)
         g = self.groups[group]
-        cached = self._resident.get(group)
-        if cached is not None and cached[1] == self._stamp(g):
-            return cached[0]
-        buffers, done = self._copy_group(g)
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-        self._resident[group] = (buffers, self._stamp(g))
-        return buffers
+        held = self._resident.get(group)
+        stamp = self._stamp(g)
+        if held is None or held[1] != stamp:
+            slot = held[0] if held is not None else DeviceSlot(size_class(g), self.device, -1)
+            if held is not None:
+                self._release(slot)
+            self._resident[group] = (self._ready(self._fill(slot, g)), stamp)
+        return self._resident[group][0].buffers
 
     def begin_graph(self, carry_keys: frozenset[int]) -> None:
         """A graph is about to run: copies carried for another graph (the next call took a different graph:
         new shapes, another component) go now, before this graph's own copies arrive. A key whose copies
         keep going unused (two graphs alternating within one call) stops carrying."""
         for key in [k for k in self._carried if k not in carry_keys]:
-            carried = self._carried.pop(key)
-            self._drop(carried.buffers, carried.done)
+            self._release(self._carried.pop(key).slot)
             if key not in self._carry_used:
                 self._carry_misses[key] = self._carry_misses.get(key, 0) + 1
 
-    def _drop(self, buffers: list[torch.Tensor], done: object) -> None:
-        """Release device copies that no compute read; their memory is reused only after their copy ended."""
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-        for buf in buffers:
-            self.ledger.evicted(buf)
-
     def abandon_pending(self) -> None:
-        """Drop prefetched copies a failed call never waited for, and copies carried for a next call (after
-        their copies finished)."""
-        if (self._pending or self._carried) and self._copy_stream is not None:
+        """A call failed: its copies (prefetched and never waited for, waited for and never evicted) and the
+        copies carried for a next call are released, after their copies finished."""
+        if self._copy_stream is not None:
             self._copy_stream.synchronize()
+        for slot in [*self._pending.values(), *self._live.values()]:
+            self._release(slot)
         self._pending.clear()
+        self._live.clear()
         self.release_carried()
 
     def release_carried(self) -> int:
         freed = sum(self.groups[c.group].nbytes for c in self._carried.values())
         for carried in self._carried.values():
-            self._drop(carried.buffers, carried.done)
+            self._release(carried.slot)
         self._carried.clear()
         return freed
 
     def release_resident(self) -> None:
+        for slot, _ in [*self._resident.values(), *self._parked.values()]:
+            self._release(slot)
         self._resident.clear()
         self._parked.clear()
 
@@ -547,17 +651,17 @@ class OffloadRuntime:
         the next call); the next call fetches what it needs again. Returns the bytes released."""
         with self.lock:
             freed = self.release_carried() + sum(self.groups[g].nbytes for g in {*self._resident, *self._parked})
-            for buffers, _ in [*self._resident.values(), *self._parked.values()]:
-                for buf in buffers:
-                    self.ledger.evicted(buf)
             self.release_resident()
             return freed
 
     def unpack(self) -> None:
-        """Give every weight its own storage again (the undo of packing) and drop all device copies."""
+        """Give every weight its own storage again (the undo of packing) and drop all device copies and the
+        device pool."""
         with self.lock:
             self.abandon_pending()
             self.release_resident()
+            self.pool = DevicePool(self.device)
+            self._slot_of.clear()
             for group in self.groups:
                 if not group.packed:
                     continue
@@ -603,7 +707,10 @@ class OffloadRuntime:
             carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
             lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "
                          f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
-                         f"{mib(v.streamed_peak_bytes)} streamed{carried})")
+                         f"{mib(v.streamed_peak_bytes)} streamed{carried}); device slots {mib(plan.pool_bytes)}")
+        if self.pool.slots:
+            lines.append(f"  device pool {mib(self.pool.nbytes)}: "
+                         + ", ".join(f"{len(slots)} x {mib(slots[0].nbytes).strip()}" for slots in self.pool.slots.values()))
         resident = sum(g.nbytes for g in self.groups if not g.streamed)
         lines.append(f"  total {mib(self.total_bytes + self.unmanaged_bytes)}: {mib(resident)} resident, "
                      f"{mib(self.total_bytes - resident)} streamed"

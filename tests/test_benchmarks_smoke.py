@@ -93,3 +93,20 @@ def test_gpu_harness_smoke(tmp_path):
     for name in ("ours-layerwise-p1-eager",):
         assert "error" not in rss[name], rss[name].get("error")
         assert rss[name]["model_bytes"] > 0 and rss[name]["setup_peak_rss_delta_bytes"] >= 0
+
+
+def test_host_overhead_small(tmp_path):
+    out = tmp_path / "host_overhead.json"
+    _run("host_overhead.py", "--blocks", "4", "--rounds", "2", "--calls", "2", "--warmup", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {"command", "environment", "config", "methods", "summary"} <= set(data)
+    assert "host_overhead.py" in data["command"] and data["environment"]["torch"]
+    methods = data["methods"]
+    assert set(methods) == {"plain-eager", "plain-inductor", "ours-eager", "ours-inductor", "diffusers-group-block",
+                            "accelerate-cpu_offload", "vllm-functional_call"}
+    for name, r in methods.items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["call_s_median"] > 0 and r["minor_faults_per_call_median"] >= 0 and r["max_abs_diff"] < 1e-4
+        assert name.startswith("plain-") or "host_us_per_group" in r
+    for name in ("ours-eager", "ours-inductor"):
+        assert methods[name]["fetches_per_call"] == 4 and methods[name]["bytes_per_call"] > 0  # offloading happened

@@ -2,8 +2,9 @@
 
 Order is carried by data (DESIGN.md): each prefetch takes the previous prefetch's token and the tokens of
 the evicts emitted since it; each wait takes the newest prefetch token and the evicts emitted since the last
-wait; each evict takes the fetched buffers and every node that reads them. Tokens nobody consumes, and resident buffers (which inductor must
-never free or reuse), become extra graph outputs that the caller drops.
+wait; each evict takes the fetched views and every node that reads them. Tokens nobody consumes, and every fetched
+or resident view, become extra graph outputs that the caller drops: the views are fixed device slots, which
+inductor must never free, reuse for activations or write in place, and a graph output it never does.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ _EXTERN_READERS = {torch.nn.functional.linear, torch._C._nn.linear, torch.matmul
                    torch.baddbmm, torch.conv1d, torch.conv2d, torch.conv3d, torch.nn.functional.conv1d,
                    torch.nn.functional.conv2d, torch.nn.functional.conv3d,
                    torch.nn.functional.scaled_dot_product_attention, operator.matmul}  # prefetch modes: copy now; use the copy the previous call carried, else copy; carry
-Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per slot (bucket, shape, offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Rewritten:
     graph_module: fx.GraphModule
     num_outputs: int  # outputs of the original graph; the rest are tokens and resident buffers
     carry_keys: frozenset[int] = frozenset()  # fetch keys whose copies this graph prefetches for its next call
+
+
+Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per weight slot (bucket, shape, offset)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -42,11 +45,12 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _slot_views(graph: fx.Graph, buffers: fx.Node, group: int, slots: set[int], layout: Layout,
-                n_buckets: int, runtime_id: int = 0, dtensors: frozenset = frozenset()
-                ) -> tuple[list[fx.Node], dict[int, fx.Node]]:
-    """The fetched flat buffers (one per bucket) and, over them, a view per weight slot."""
-    items = [graph.call_function(operator.getitem, (buffers, b)) for b in range(n_buckets)]
+def _weight_views(graph: fx.Graph, fetched: fx.Node, group: int, slots: set[int], layout: Layout,
+                  runtime_id: int = 0, dtensors: frozenset = frozenset()) -> tuple[list[fx.Node], dict[int, fx.Node]]:
+    """The fetch op's flat device buffers (one per dtype: separate allocations, so the op's outputs alias
+    nothing) and, over them, a view per weight slot this graph reads."""
+    n_buckets = 1 + max(bucket for bucket, _, _ in layout[group])
+    items = [graph.call_function(operator.getitem, (fetched, b)) for b in range(n_buckets)]
     views = {}
     for slot in sorted(slots):
         bucket, shape, offset = layout[group][slot]
@@ -101,7 +105,6 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     slots_in_graph: dict[int, set[int]] = {}
     for w in weights.values():
         slots_in_graph.setdefault(w.group, set()).add(w.slot)
-    n_buckets = {g: 1 + max(b for b, _, _ in layout[g]) for g in layout}
     to_materialize = {leaf for rs in reads.values() for r in rs for leaf in r.leaves if needs_materializing(leaf)
                       } if materialize_readers else set()
     computed: dict[fx.Node, fx.Node] = {}  # a materialized reader -> its own node, which the evict follows
@@ -123,17 +126,17 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     last_prefetch: fx.Node | None = None
     evicts_since: list[fx.Node] = []  # since the last prefetch
     evicts_since_wait: list[fx.Node] = []
-    fetched: dict[int, tuple[list[fx.Node], dict[int, fx.Node]]] = {}  # instance -> (flat buffers, slot views)
+    fetched: dict[int, tuple[list[fx.Node], dict[int, fx.Node]]] = {}  # instance -> (fetched views, slot -> view)
     resident_views: dict[int, dict[int, fx.Node]] = {}
-    resident_buffers: list[fx.Node] = []
+    slot_views: list[fx.Node] = []  # every view of a device slot: graph outputs
     tokens: list[fx.Node] = []
 
     def emit_resident() -> None:
         for group in sorted(resident_groups & set(slots_in_graph)):
             buffers = graph.call_function(OPS.resident.default, (runtime_id, group))
-            items, resident_views[group] = _slot_views(graph, buffers, group, slots_in_graph[group], layout,
-                                                       n_buckets[group], runtime_id, dtensors)
-            resident_buffers.extend(items)
+            items, resident_views[group] = _weight_views(graph, buffers, group, slots_in_graph[group], layout,
+                                                         runtime_id, dtensors)
+            slot_views.extend(items)
 
     def emit_prefetch(inst, mode: int) -> None:
         nonlocal last_prefetch, evicts_since
@@ -163,8 +166,9 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             buffers = graph.call_function(OPS.wait.default, (runtime_id, inst.group, keys[inst.index],
                                                              [last_prefetch] + evicts_since_wait))
             evicts_since_wait = []
-            fetched[inst.index] = _slot_views(graph, buffers, inst.group, slots_in_graph[inst.group], layout,
-                                              n_buckets[inst.group], runtime_id, dtensors)
+            fetched[inst.index] = _weight_views(graph, buffers, inst.group, slots_in_graph[inst.group], layout,
+                                                runtime_id, dtensors)
+            slot_views.extend(fetched[inst.index][0])
         if node.op == "output":
             for index in carry_of.get(len(schedule.instances), []):
                 emit_prefetch(schedule.instances[index], CARRY)
@@ -184,8 +188,6 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             parked = inst.index in park
             poison = not parked and not any(r.unordered for r in rs)
             token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves, parked))
-            if parked:
-                resident_buffers.extend(items)
             tokens.append(token)
             evicts_since.append(token)
             evicts_since_wait.append(token)
@@ -194,7 +196,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
     original = fx.map_arg(output.args[0], lambda arg: weight_arg(output, arg) if arg in weights else env[arg])
     is_seq = isinstance(original, (tuple, list))
     outputs = list(original) if is_seq else [original]
-    extras = [t for t in tokens if not t.users] + resident_buffers
+    extras = [t for t in tokens if not t.users] + slot_views
     graph.output(tuple(outputs + extras))
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta.update(gm.meta)

@@ -33,7 +33,7 @@ class Verified:
 
 
 def _fetch_node(view: fx.Node) -> fx.Node:
-    node = view  # [from_local_slot(]as_strided(getitem(fetch, bucket), ...)[)]
+    node = view  # [from_local_slot(]getitem(fetch, slot)[)]
     while node.target is not operator.getitem:
         node = node.args[0]
     return node.args[0]
@@ -65,7 +65,8 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
             continue
         # re-derive readers on the rewritten graph, with the original weight's storage as the alias key
         view.meta.setdefault("example_value", _value(placeholder))
-        found = [r for user in view.users for r in readers(view, user, placeholder.name).leaves]
+        found = [r for user in view.users if user.op != "output" and user.target is not OPS.evict.default
+                 for r in readers(view, user, placeholder.name).leaves]  # (the graph outputs every view)
         if fetch.target is OPS.resident.default:
             continue
         evict = evict_of.get(fetch)

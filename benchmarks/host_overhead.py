@@ -1,0 +1,201 @@
+"""Host overhead per streamed group (CPU): what each offloader's Python/dispatch work costs beyond the model.
+
+A stack of tiny residual blocks (two 64x64 linears each, batch 1, one torch thread) runs so little compute that
+the time an offloaded call takes beyond the plain model's is the offloader's host work: its hooks or graph ops,
+its copies (device ``cpu``: a memcpy) and its allocations. Methods, all in this one process, interleaved round
+by round, medians:
+
+  plain-eager / plain-inductor   the model itself (eager; torch.compile with inductor)
+  ours-eager / ours-inductor     offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+  diffusers-group-block          diffusers apply_group_offloading(block_level, 1 block per group, onload cpu)
+  accelerate-cpu_offload         accelerate.cpu_offload(model, execution_device=cpu)
+  vllm-functional_call           each block copies its state dict per forward and runs torch.func.functional_call
+
+Per method: median seconds per call, host µs per streamed group beyond the plain model (ours-inductor against
+plain-inductor, everything else against plain-eager), and minor page faults per call (``getrusage``).
+
+    python benchmarks/host_overhead.py                      # writes benchmarks/results/host_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment, exact_command, write_json  # noqa: E402
+
+METHODS = ("plain-eager", "plain-inductor", "ours-eager", "ours-inductor", "diffusers-group-block",
+           "accelerate-cpu_offload", "vllm-functional_call")
+BASELINE = {"ours-inductor": "plain-inductor"}  # every other method is measured against plain-eager
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int, hidden: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _functional_call_offload(model: Stack) -> None:
+    """vLLM's cpu_offload_gb mechanism per block: the host weights stay, each forward copies the block's state
+    dict to the device and runs ``torch.func.functional_call``."""
+    from torch.func import functional_call
+    for block in model.blocks:
+        forward = block.forward
+
+        def offloaded(x, block=block, forward=forward):
+            block.forward = forward
+            try:
+                state = {k: v.to("cpu", non_blocking=True) for k, v in block.state_dict().items()}
+                return functional_call(block, state, (x,))
+            finally:
+                block.forward = offloaded
+        block.forward = offloaded
+
+
+def setup(name: str, model: Stack) -> tuple[object, dict]:
+    """The callable a method runs, and what to record about how it was set up."""
+    if name == "plain-eager":
+        return model, {}
+    if name == "plain-inductor":
+        return torch.compile(model, backend="inductor", fullgraph=True), {}
+    if name.startswith("ours-"):
+        from offload_compiler import OffloadPolicy, offload_compile
+        policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler=name.split("-", 1)[1])
+        return offload_compile(model, policy), {"policy": repr(policy)}
+    if name == "diffusers-group-block":
+        from diffusers.hooks import apply_group_offloading
+        apply_group_offloading(model, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1)
+        return model, {"call": "apply_group_offloading(model, onload_device=cpu, offload_device=cpu, "
+                               "offload_type='block_level', num_blocks_per_group=1)",
+                       "cpu_onload": "accepted (cpu -> cpu)"}
+    if name == "accelerate-cpu_offload":
+        from accelerate import cpu_offload
+        cpu_offload(model, execution_device=torch.device("cpu"))
+        return model, {"call": "accelerate.cpu_offload(model, execution_device=cpu)"}
+    if name == "vllm-functional_call":
+        _functional_call_offload(model)
+        return model, {"call": "per block: state_dict().to(cpu) + torch.func.functional_call"}
+    raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
+
+
+def _timed(fn, x: torch.Tensor, calls: int) -> tuple[float, float]:
+    """Seconds per call and minor page faults per call over ``calls`` calls."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    seconds = (time.perf_counter() - start) / calls
+    return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / calls
+
+
+def _moved_per_call(module, x: torch.Tensor) -> dict:
+    """Offloading happened: fetches and bytes of one call, from the runtime's ledger."""
+    from offload_compiler import offload_stats, reset_offload_stats
+    reset_offload_stats(module)
+    with torch.no_grad():
+        module(x)
+    stats = offload_stats(module)
+    return {"fetches_per_call": stats.fetch_count, "bytes_per_call": stats.bytes_transferred,
+            "peak_device_weight_bytes": stats.peak_resident_bytes}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds; the medians are over these")
+    parser.add_argument("--calls", type=int, default=20, help="calls per method per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "host_overhead.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    reference = Stack(args.blocks, args.hidden).eval()
+    x = torch.randn(1, args.hidden)
+    with torch.no_grad():
+        expected = reference(x)
+    runs, info, errors = {}, {}, {}
+    for name in args.methods:
+        try:
+            runs[name], info[name] = setup(name, copy.deepcopy(reference))
+            with torch.no_grad():
+                for _ in range(args.warmup):
+                    out = runs[name](x)
+            info[name]["max_abs_diff"] = float((out - expected).abs().max())
+            if name.startswith("ours-"):
+                info[name].update(_moved_per_call(runs[name], x))
+        except Exception as exc:  # a method that cannot run here is reported, not fatal
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            runs.pop(name, None)
+    samples = {name: ([], []) for name in runs}
+    with torch.no_grad():
+        for _ in range(args.rounds):
+            for name, fn in runs.items():
+                seconds, faults = _timed(fn, x, args.calls)
+                samples[name][0].append(seconds)
+                samples[name][1].append(faults)
+    results = {}
+    for name, (seconds, faults) in samples.items():
+        results[name] = {"call_s_median": statistics.median(seconds), "minor_faults_per_call_median":
+                         statistics.median(faults), **info[name]}
+    for name, r in results.items():
+        base = results.get(BASELINE.get(name, "plain-eager"))
+        if base is not None and not name.startswith("plain-"):
+            r["baseline"] = BASELINE.get(name, "plain-eager")
+            r["host_us_per_group"] = (r["call_s_median"] - base["call_s_median"]) / args.blocks * 1e6
+    for name, error in errors.items():
+        results[name] = {"error": error}
+    summary = _summary(results)
+    data = {"command": exact_command(), "environment": environment(),
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "methods": results, "summary": summary}
+    write_json(args.out, data)
+    for name, r in results.items():
+        print(f"{name:24s} " + (r["error"] if "error" in r else
+                                f"{r['call_s_median'] * 1e3:8.3f} ms/call  "
+                                f"{r.get('host_us_per_group', float('nan')):7.1f} us/group  "
+                                f"{r['minor_faults_per_call_median']:7.1f} faults/call"))
+    print(summary)
+    return data
+
+
+def _summary(results: dict) -> dict:
+    per_group = lambda n: results.get(n, {}).get("host_us_per_group")  # noqa: E731
+    diffusers = per_group("diffusers-group-block")
+    out = {}
+    for name in ("ours-eager", "ours-inductor"):
+        value = per_group(name)
+        out[name] = {"us_per_group": value, "target_us": 15, "meets_us_target": value is not None and value <= 15,
+                     "over_diffusers": value / diffusers if value is not None and diffusers else None,
+                     "faults_per_call": results.get(name, {}).get("minor_faults_per_call_median")}
+    return out
+
+
+if __name__ == "__main__":
+    main()

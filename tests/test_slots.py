@@ -1,0 +1,95 @@
+"""Fixed device slots: every fetch lands in a slot of a pool sized by the verified plan, at the same address
+on every call, with no device allocation per call; the ledger counts the slots' copies exactly as planned."""
+
+import copy
+
+import pytest
+import torch
+
+from offload_compiler import OffloadPolicy, offload_compile, offload_stats
+from offload_compiler.passes.slots import plan_slots
+from offload_compiler.runtime import ADOPT, CARRY, FETCH
+from offload_compiler.testing import BlockSpec, ModelSpec, build_block_model
+
+SPEC = ModelSpec(16, (BlockSpec("mlp", 32), BlockSpec("attention", 1), BlockSpec("mlp", 16)), False, True, 4, 2)
+
+
+def _record_fetches(runtime) -> list:
+    """(group, data_ptr of each weight view) of every wait, in call order."""
+    seen = []
+    wait = runtime.wait
+
+    def recording(key, group):
+        views = wait(key, group)
+        seen.append((group, tuple(v.data_ptr() for v in views)))
+        return views
+    runtime.wait = recording
+    return seen
+
+
+def _slot_memory(runtime) -> dict:
+    return {id(slot): [b.data_ptr() for b in slot.buffers] for slots in runtime.pool.slots.values() for slot in slots}
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("carry", [False, True])
+def test_each_group_lands_at_the_same_address_every_call_from_a_fixed_pool(compiler, carry):
+    model, x = build_block_model(SPEC, 3)
+    expected = model(x).detach()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", compiler=compiler,
+                                                           prefetch_next_call=carry, debug_poison=True))
+    assert torch.allclose(m(x), expected, atol=1e-5)  # debug_poison: a read of a refilled slot would be NaN
+    runtime = m._offload_runtime
+    pool_before = _slot_memory(runtime)
+    calls = []
+    for _ in range(3):
+        seen = _record_fetches(runtime)
+        assert torch.allclose(m(x), expected, atol=1e-5)
+        calls.append(seen)
+        del runtime.wait
+    assert calls[0] and calls[0] == calls[1] == calls[2]  # same groups, same addresses, every call
+    assert _slot_memory(runtime) == pool_before  # no slot was added or reallocated after the first call
+    slot_ranges = [(p, p + b.untyped_storage().nbytes()) for slots in runtime.pool.slots.values()
+                   for slot in slots for b, p in zip(slot.buffers, (b.data_ptr() for b in slot.buffers))]
+    assert all(any(lo <= ptr < hi for lo, hi in slot_ranges) for _, ptrs in calls[0] for ptr in ptrs if ptr)
+    plan = runtime.graph_plans[0]
+    stats = offload_stats(m)
+    assert stats.peak_resident_bytes == plan.verified.peak_bytes  # the ledger follows the slots' occupancy
+    assert plan.verified.streamed_peak_bytes <= plan.pool_bytes == runtime.pool.nbytes
+    assert stats.fetch_count >= len(runtime.groups) * 3  # offloading happened
+    assert stats.live_device_bytes == stats.carried_bytes  # between calls only the carried copies are on the device
+
+
+def test_the_pool_holds_prefetch_plus_one_slots_per_size_class():
+    model, x = build_block_model(ModelSpec(16, (BlockSpec("mlp", 32),) * 6, False, True, 4, 2), 4)
+    for prefetch in (1, 2):
+        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", prefetch=prefetch))
+        m(x)
+        block_class = max(m._offload_runtime.pool.slots.values(), key=len)
+        assert len(block_class) == prefetch + 1
+        assert "device pool" in m._offload_runtime.describe()
+
+
+def _chain(n: int, carry: bool) -> list:
+    """Slot events of a layerwise chain of n same-size groups, prefetch 1; with carry, group 0 wraps around."""
+    events = [("take", 0, 0, ADOPT if carry else FETCH)]
+    for i in range(n):
+        events.append(("take", i, i, -1))  # the wait
+        if i + 1 < n:
+            events.append(("take", i + 1, i + 1, FETCH))
+        elif carry:
+            events.append(("take", 0, 0, CARRY))
+        events.append(("give", i, i, -1))
+    return events
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 9])
+def test_slot_plan_is_a_cyclic_coloring(n):
+    same = lambda group: ("block",)  # noqa: E731
+    plain = plan_slots(_chain(n, False), same)
+    assert {i for _, i in plain.values()} == {0, 1}
+    for i in range(n - 1):
+        assert plain[i][1] != plain[i + 1][1]  # neighbours overlap: never one slot
+    wrapped = plan_slots(_chain(n, True), same)
+    assert len({i for _, i in wrapped.values()}) == (2 if n % 2 == 0 else 3)  # an odd cycle needs a third slot
+    assert wrapped[n - 1][1] != wrapped[0][1]  # the carried copy and the last group overlap
