@@ -2,10 +2,11 @@
 
 Every entry point ends here — `offload_compile` (modules and pipelines, every strategy, ``auto`` included) and
 ``torch.compile(model, backend="omni_offload")`` — as FSDP2's ``fully_shard`` does: the model is offloaded in
-place. Its class is swapped for a subclass of `OffloadedModule` that carries the guards (``.to``, dtype
-changes, copy, pickle, ``load_state_dict(assign=True)``); its ``forward``, and those of the modules that
-contain its groups or are its components, become `_OffloadedForward` objects that run the offloaded graphs;
-hooks registered on any of its modules afterwards are refused (the captured graphs could not see them).
+place. Its class is swapped for a subclass of `OffloadedModule` (and of its own class, with its name) that
+carries the guards (``.to``, dtype changes, copy, pickle, ``load_state_dict(assign=True)``); its ``forward``,
+and those of the modules that contain its groups or are its components, become `_OffloadedForward` objects
+that run the offloaded graphs; hooks registered on any of its modules afterwards are refused (the captured
+graphs could not see them).
 
 How a call reaches the weights, route by route:
 - a direct call, ``generate()``, a pipeline holding the object, a container or component called on its own:
@@ -65,7 +66,7 @@ class OffloadState:
 
     @property
     def name(self) -> str:
-        return type(self.owner).__name__.removeprefix("Offloaded")
+        return type(self.owner).__name__
 
     def check_usable(self) -> None:
         if self.ended:
@@ -109,7 +110,7 @@ def state_of(obj: Any) -> OffloadState | None:
 
 class OffloadedModule(nn.Module):
     """Base of every offloaded model's class: ``offload_compile(model, policy)`` returns ``model`` itself, its
-    class swapped for ``Offloaded<Class>(OffloadedModule, Class)``. Parameters, buffers and ``state_dict`` are
+    class swapped for a subclass of ``(OffloadedModule, Class)`` named like ``Class``. Parameters, buffers and ``state_dict`` are
     the model's own (host masters); it runs inference only; `remove_offload` restores the class."""
 
     @property
@@ -183,8 +184,9 @@ _CLASSES: dict[type, type] = {}
 
 def _offloaded_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Offloaded{cls.__name__}", (OffloadedModule, cls),
-                             {"__module__": cls.__module__, "__qualname__": f"Offloaded{cls.__qualname__}"})
+        # the model's own name in messages, plans and repr; isinstance(m, OffloadedModule) tells it is offloaded
+        _CLASSES[cls] = type(cls.__name__, (OffloadedModule, cls),
+                             {"__module__": cls.__module__, "__qualname__": f"Offloaded[{cls.__qualname__}]"})
     return _CLASSES[cls]
 
 
