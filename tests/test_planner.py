@@ -229,17 +229,21 @@ def one_thread():
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_predicted_time_is_within_30_percent_of_measured_on_cpu(name, one_thread):
     """The host overheads (per op, per fetch, per call) are measured once per device and compiler on a probe
-    model (`planning/calibrate.py`); without them the tiny Llama was predicted 25x too fast. Medians of the
-    timed calls, and up to three tries: other processes on the machine move single timings by tens of %."""
+    model (`planning/calibrate.py`); without them the tiny Llama was predicted 5-12x too fast (one thread;
+    25x with two). Medians of the timed calls, and up to three tries, each calibrating afresh: other processes
+    on the machine move the timings by tens of % from one second to the next (the per-op cost measured on the
+    probe and on these models' graphs, called in turn, agrees within a few %)."""
+    from offload_compiler.planning import costmodel
     ratios = []
     for _ in range(3):
         ratios.append(_first_plan_ratio(name))
         if 0.7 <= ratios[-1] <= 1.3:
             break
+        costmodel._RATES.clear()  # calibrate again too: the load may have changed since
     assert 0.7 <= ratios[-1] <= 1.3, ratios
 
 
-def test_refine_rates_leaves_the_measured_overheads_alone():
+def test_refine_rates_leaves_the_measured_overheads_alone(one_thread):
     """refine_rates rescales only the work (FLOPs, bytes): call, dispatch and inline transfers are taken out
     first, so a measurement equal to the prediction leaves the scale at 1."""
     from offload_compiler.planning.auto import refine_rates

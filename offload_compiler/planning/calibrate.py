@@ -29,6 +29,7 @@ from ..policy import OffloadPolicy
 PROBE_WIDTH = 32
 PROBE_SEQ = 8
 PROBE_CALLS = 21
+PROBE_SECONDS = 1.0  # fewer calls (at least 5) where they are slow: a loaded machine, a big device's launch
 PROBE_BLOCKS = 4
 
 
@@ -70,13 +71,17 @@ class Overheads:
 def median_time(fn: Callable[[], Any], sync: Callable[[], None], calls: int = PROBE_CALLS) -> float:
     fn()
     sync()
-    times = []
-    for _ in range(calls):
+    times: list[float] = []
+    while _more(len(times), sum(times)):
         start = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _more(done: int, spent_s: float) -> bool:
+    return done < PROBE_CALLS and (done < 5 or spent_s < PROBE_SECONDS)
 
 
 def _probe(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
@@ -104,7 +109,7 @@ def _offloaded_calls(policies: list[OffloadPolicy], device: torch.device, sync: 
         with torch.no_grad():
             for m in models:
                 m(x), m(x)  # compiles, warms up
-            for _ in range(PROBE_CALLS):
+            while _more(len(times[0]), sum(map(sum, times))):
                 for m, out in zip(models, times):
                     start = time.perf_counter()
                     m(x)
