@@ -5,21 +5,24 @@ model of four transformer-like blocks, small enough that what its calls cost is 
   code, each node an aten dispatch; inductor: the compiled graph, fused), less its predicted work, per graph
   node that `node_seconds` charges;
 * per call: the probe offloaded with every group resident (dynamo's guards, our wrapper, the graph runner,
-  the resident ops), less its predicted compute and the weight views (one op each, resident or fetched);
+  the resident ops), less its graph's own time and the weight views (one op each, resident or fetched);
 * per fetch: the probe with every block streamed, against all resident, called in turn: the prefetch, wait
   and evict ops and the copy's fixed cost, less the copies' bytes.
 
 The call and fetch terms are measured under the eager compiler only: the entry path and the transfer ops are
 the same under inductor, and an offloaded inductor probe would add tens of seconds of compilation.
 
-Medians of repeated calls, since a loaded machine is what the timed calls of a plan see too."""
+The graph and the two offloaded probes are called in turn and the differences taken call by call, then the
+median: a load on the machine that comes and goes falls on all three alike."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,7 +32,7 @@ from ..policy import OffloadPolicy
 PROBE_WIDTH = 32
 PROBE_SEQ = 8
 PROBE_CALLS = 21
-PROBE_SECONDS = 1.0  # fewer calls (at least 5) where they are slow: a loaded machine, a big device's launch
+PROBE_SECONDS = 1.5  # fewer rounds (at least 5) where calls are slow: a loaded machine, a slow device
 PROBE_BLOCKS = 4
 
 
@@ -68,20 +71,20 @@ class Overheads:
     fetch_s: float
 
 
-def median_time(fn: Callable[[], Any], sync: Callable[[], None], calls: int = PROBE_CALLS) -> float:
-    fn()
+def interleaved_times(fns: list[Callable[[], Any]], sync: Callable[[], None]) -> list[list[float]]:
+    """Seconds of each call of each function, called in turn (a load on the machine falls on all alike):
+    ``PROBE_CALLS`` rounds, fewer (at least 5) past ``PROBE_SECONDS``; two untimed calls each first."""
+    for fn in fns:
+        fn(), fn()
     sync()
-    times: list[float] = []
-    while _more(len(times), sum(times)):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _more(done: int, spent_s: float) -> bool:
-    return done < PROBE_CALLS and (done < 5 or spent_s < PROBE_SECONDS)
+    times: list[list[float]] = [[] for _ in fns]
+    while len(times[0]) < PROBE_CALLS and (len(times[0]) < 5 or sum(map(sum, times)) < PROBE_SECONDS):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+    return times
 
 
 def _probe(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
@@ -97,28 +100,17 @@ def _graph_runner(gm, example_inputs: list, compiler: str) -> Callable:
     return gm
 
 
-def _offloaded_calls(policies: list[OffloadPolicy], device: torch.device, sync: Callable[[], None]
-                     ) -> list[list[float]]:
-    """Seconds of each call of the probe offloaded under each policy, the probes called in turn (a load on the
-    machine falls on all of them alike)."""
+@contextlib.contextmanager
+def _offloaded_probes(policies: list[OffloadPolicy], device: torch.device) -> Iterator[list[Callable[[], Any]]]:
+    """A call of the probe offloaded under each policy (no_grad), removed afterwards."""
     from ..api import offload_compile, remove_offload  # the api imports the planner
     x = _probe(device)[1]
     models = [offload_compile(_probe(device)[0], policy) for policy in policies]
-    times: list[list[float]] = [[] for _ in models]
     try:
-        with torch.no_grad():
-            for m in models:
-                m(x), m(x)  # compiles, warms up
-            while _more(len(times[0]), sum(map(sum, times))):
-                for m, out in zip(models, times):
-                    start = time.perf_counter()
-                    m(x)
-                    sync()
-                    out.append(time.perf_counter() - start)
+        yield [functools.partial(torch.no_grad()(m), x) for m in models]
     finally:
         for m in models:
             remove_offload(m)
-    return times
 
 
 def _probe_graph(device: torch.device, rates: Any) -> tuple:
@@ -139,35 +131,39 @@ def _sync(device: torch.device) -> Callable[[], None]:
 def op_seconds(device: torch.device, compiler: str, rates: Any) -> float:
     """Per charged node: the probe's graph run as the compiler runs it (eager: the GraphModule itself;
     inductor: compiled), less its predicted work."""
-    return _op_seconds(_probe_graph(device, rates), device, compiler)
+    probe = _probe_graph(device, rates)
+    graph_s = statistics.median(interleaved_times([_graph_call(probe, device, compiler)], _sync(device))[0])
+    return _per_op(probe, graph_s)
 
 
-def _op_seconds(probe: tuple, device: torch.device, compiler: str) -> float:
+def _graph_call(probe: tuple, device: torch.device, compiler: str) -> Callable[[], Any]:
+    gm, example_inputs = probe[:2]
+    run = torch.no_grad()(_graph_runner(gm, example_inputs, compiler))
+    return functools.partial(run, *[t.to(device) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+
+
+def _per_op(probe: tuple, graph_s: float) -> float:
     from .costmodel import build_table, charged_nodes
     gm, example_inputs, specs, free = probe
-    work_s = build_table(gm, example_inputs, specs, free).compute_s
-    run = _graph_runner(gm, example_inputs, compiler)
-    inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    with torch.no_grad():
-        graph_s = median_time(lambda: run(*inputs), _sync(device))
-    return max(graph_s - work_s, 0.0) / max(charged_nodes(gm), 1)
+    return max(graph_s - build_table(gm, example_inputs, specs, free).compute_s, 0.0) / max(charged_nodes(gm), 1)
 
 
 def measure_overheads(device: torch.device, rates: Any) -> Overheads:
-    """Per op, per call and per fetch under the eager compiler. ``rates``: the device's `DeviceRates` with
-    work rates and bandwidth measured. The call and fetch costs are the entry path and the transfer ops,
-    the same under every compiler; `op_seconds` gives the per-op cost of another compiler."""
+    """Per op, per call and per fetch under the eager compiler, from the probe's graph, the probe offloaded
+    with every group resident and with every block streamed, called in turn. ``rates``: the device's
+    `DeviceRates` with work rates and bandwidth measured. The call and fetch costs are the entry path and
+    the transfer ops, the same under every compiler; `op_seconds` gives another compiler's per-op cost."""
     from .costmodel import build_table
     probe = _probe_graph(device, rates)
-    op_s = _op_seconds(probe, device, "eager")
     gm, example_inputs, specs, free = probe
-    table = build_table(gm, example_inputs, specs, dataclasses.replace(free, op_overhead_s=op_s))
     streamed = OffloadPolicy(strategy="layerwise", device=str(device), prefetch=0)
-    resident_s, streamed_s = _offloaded_calls([streamed.replace(strategy="budget", offload_gb=0.0), streamed],
-                                              device, _sync(device))
-    # table.call_overhead_s: the weight views, with no call overhead yet
-    call_s = max(statistics.median(resident_s) - table.compute_s - table.call_overhead_s, 0.0)
+    with _offloaded_probes([streamed.replace(strategy="budget", offload_gb=0.0), streamed], device) as calls:
+        graph, resident, stream = interleaved_times([_graph_call(probe, device, "eager")] + calls, _sync(device))
+    op_s = _per_op(probe, statistics.median(graph))
+    table = build_table(gm, example_inputs, specs, dataclasses.replace(free, op_overhead_s=op_s))
+    # the resident probe runs the same graph, plus a view per weight (table.call_overhead_s, no call cost yet)
+    call_s = max(statistics.median(r - g for g, r in zip(graph, resident)) - table.call_overhead_s, 0.0)
     blocks = [i for i, s in enumerate(specs) if s.is_block]
-    extra_s = statistics.median(b - a for a, b in zip(resident_s, streamed_s))
+    extra_s = statistics.median(b - a for a, b in zip(resident, stream))
     fetch_s = max((extra_s - sum(table.transfer_s(g) for g in blocks)) / len(blocks), 0.0)
     return Overheads(op_s, call_s, fetch_s)
