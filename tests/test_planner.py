@@ -226,7 +226,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "dit"])
 def test_predicted_time_is_within_30_percent_of_measured_on_cpu(name, one_thread):
     """The host overheads (per op, per fetch, per call) are measured once per device and compiler on a probe
     model (`planning/calibrate.py`); without them the tiny Llama was predicted 5-12x too fast (one thread;
