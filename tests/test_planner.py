@@ -30,7 +30,8 @@ def cost_tables(draw, max_groups=5, max_uses=9):
     return CostTable(tuple(GroupCost(f"g{i}", b) for i, b in enumerate(sizes)), tuple(uses), tuple(seconds),
                      bandwidth=draw(st.sampled_from([1.0, 5.0, 20.0, 100.0])),
                      activation_bytes=draw(st.integers(0, 50)), fetch_overhead_s=draw(st.sampled_from([0.0, 1.0])),
-                     overlap=draw(st.booleans()), carry=draw(st.booleans()))
+                     overlap=draw(st.booleans()), carry=draw(st.booleans()),
+                     call_overhead_s=draw(st.sampled_from([0.0, 2.0])))
 
 
 @settings(max_examples=300)
@@ -197,3 +198,63 @@ def test_cli_prints_the_plan_and_saves_plots(tmp_path, capsys):
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "residency.png").stat().st_size > 0
     assert main(["plan", "--model", "llama", "--device", "cpu", "--device-budget-gb", "0.00001"]) == 2
     assert "device_budget_gb >=" in capsys.readouterr().err
+
+
+# -- calibration: predicted against measured time ------------------------------------------------------
+
+def _first_plan_ratio(name: str) -> float:
+    """predicted / measured forward time of the first plan (before `refine_rates` rescales anything)."""
+    from offload_compiler.testing import models
+    model, kwargs = getattr(models, name)()
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu",
+                                             device_budget_gb=0.6 * _bytes(model) / 2**30))
+    with torch.no_grad():
+        for _ in range(6):  # compile, warm up, then the timed calls
+            m(**kwargs)
+    plan = offload_plan(m)
+    plan.rates.compute_scale = 1.0  # the next try predicts from the calibrated rates again
+    return plan.predicted_s / plan.measured_median_s
+
+
+@pytest.fixture
+def one_thread():
+    """CPU time on a loaded machine: two intra-op threads beside other processes stall on each other (a call
+    of the tiny Llama took 3 ms, then 400 ms); one thread keeps the timings steady."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "dit"])
+def test_predicted_time_is_within_30_percent_of_measured_on_cpu(name, one_thread):
+    """The host overheads (per op, per fetch, per call) are measured once per device and compiler on a probe
+    model (`planning/calibrate.py`); without them the tiny Llama was predicted 5-12x too fast (one thread;
+    25x with two). Medians of the timed calls, and up to three tries, each calibrating afresh: other processes
+    on the machine move the timings by tens of % from one second to the next (the per-op cost measured on the
+    probe and on these models' graphs, called in turn, agrees within a few %)."""
+    from offload_compiler.planning import costmodel
+    ratios = []
+    for _ in range(3):
+        ratios.append(_first_plan_ratio(name))
+        if 0.7 <= ratios[-1] <= 1.3:
+            break
+        costmodel._RATES.clear()  # calibrate again too: the load may have changed since
+    assert 0.7 <= ratios[-1] <= 1.3, ratios
+
+
+def test_refine_rates_leaves_the_measured_overheads_alone(one_thread):
+    """refine_rates rescales only the work (FLOPs, bytes): call, dispatch and inline transfers are taken out
+    first, so a measurement equal to the prediction leaves the scale at 1."""
+    from offload_compiler.planning.auto import refine_rates
+    model, kwargs = llama(layers=1)
+    plan = plan_offload(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=1), **kwargs)
+    plan.rates.compute_scale = 1.0
+    assert plan.table.call_overhead_s > 0 and 0 < plan.table.dispatch_s < plan.table.compute_s
+    plan.measured_s = [plan.predicted_s] * 3
+    refine_rates(plan)
+    assert plan.rates.compute_scale == pytest.approx(1.0)
+    plan.measured_s = [plan.predicted_s + (plan.table.compute_s - plan.table.dispatch_s)] * 3  # work twice over
+    refine_rates(plan)
+    assert plan.rates.compute_scale == pytest.approx(2.0)
+    plan.rates.compute_scale = 1.0

@@ -169,7 +169,8 @@ class OffloadPlan:
             "prefetch": self.prefetch, "blocks_per_group": self.blocks_per_group,
             "groups": self.rows(),
             "predicted": {"time_s": p.time_s, "compute_s": p.compute_s, "transfer_s": p.transfer_s,
-                          "stall_s": p.stall_s, "peak_bytes": p.peak_bytes,
+                          "stall_s": p.stall_s, "call_s": p.call_s,
+                          "dispatch_s": self.table.dispatch_s, "peak_bytes": p.peak_bytes,
                           "weights_peak_bytes": p.weights_peak_bytes, "resident_bytes": p.resident_bytes,
                           "activation_bytes": p.activation_bytes, "fetches": p.fetches},
             "measured": {"median_time_s": self.measured_median_s, "calls": len(self.measured_s),
@@ -196,7 +197,8 @@ class OffloadPlan:
                          f"{ms(row['transfer_s'])}  {ms(row['compute_s'])}")
         lines.append(f"  predicted peak {mib(p.peak_bytes)} = weights {mib(p.weights_peak_bytes)} "
                      f"({mib(p.resident_bytes)} resident) + activations {mib(p.activation_bytes)}")
-        lines.append(f"  predicted time {ms(p.time_s)} = compute {ms(p.compute_s)} + stalls {ms(p.stall_s)} "
+        lines.append(f"  predicted time {ms(p.time_s)} = call {ms(p.call_s)} + compute {ms(p.compute_s)} "
+                     f"({ms(self.table.dispatch_s)} of op dispatch) + stalls {ms(p.stall_s)} "
                      f"({ms(p.transfer_s)} of transfers, {p.fetches} fetches)")
         if self.measured_s:
             ratio = self.measured_median_s / p.time_s if p.time_s else float("nan")
@@ -225,7 +227,7 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
         raise ValueError(f"plan_offload plans strategy='auto'; got strategy={policy.strategy!r}")
     budget, source = resolve_budget(policy)
     gm, example_inputs = capture_graph(type(model).forward.__get__(model), args, kwargs, type(model).__name__)
-    rates = device_rates(policy.torch_device)
+    rates = device_rates(policy.torch_device, policy.compiler)
     n_blocks = sum(1 for g in plan_groups(model, policy.replace(blocks_per_group=1)) if g.is_block)
     best: tuple[CostTable, Solution] | None = None
     candidates: dict[int, float | None] = {}
@@ -261,13 +263,15 @@ def planned_runtime(model: nn.Module, policy: OffloadPolicy, plan: OffloadPlan) 
 
 
 def refine_rates(plan: OffloadPlan) -> None:
-    """Scale the device's compute estimates by what the timed calls showed, for the plans that follow (the
-    transfers were measured directly; where they run inline, their predicted time is taken out first)."""
-    prediction = plan.solution.prediction
-    if not plan.measured_s or prediction.compute_s <= 0:
+    """Scale the device's work estimates (FLOPs, bytes) by what the timed calls showed, for the plans that
+    follow. The overheads (per call, per op, per fetch) and the transfers were measured directly: they are
+    taken out first (transfers only where they run inline), and are not rescaled."""
+    prediction, table = plan.solution.prediction, plan.table
+    work = prediction.compute_s - table.dispatch_s
+    if not plan.measured_s or work <= 0:
         return
-    inline = 0.0 if plan.table.overlap else prediction.transfer_s
-    observed = max(plan.measured_median_s - inline, 0.0) / prediction.compute_s
+    fixed = prediction.call_s + table.dispatch_s + (0.0 if table.overlap else prediction.transfer_s)
+    observed = max(plan.measured_median_s - fixed, 0.0) / work
     plan.rates.compute_scale = min(max(plan.rates.compute_scale * observed, 0.1), 10.0)
 
 

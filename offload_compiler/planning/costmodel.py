@@ -1,6 +1,7 @@
 """Cost tables from captured graphs: compute per graph position from fake-tensor shapes (FLOPs for matmul,
 linear, convolution and attention; bytes moved for everything else), the activation peak along node order,
-and host→device bandwidth measured once per device."""
+host→device bandwidth measured once per device, and the host overheads of running the offloaded graph
+(per op, per fetch, per call) measured once per device and compiler (`calibrate`)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,18 @@ from .planner import CostTable, GroupCost
 class DeviceRates:
     flops_per_s: float
     memory_bytes_per_s: float  # device memory bandwidth seen by elementwise ops
-    op_overhead_s: float  # dispatch cost of one small op
+    op_overhead_s: float  # host cost of one graph node as the compiler runs it (calibrate.py)
     h2d_bytes_per_s: float  # host -> device copy bandwidth
-    fetch_overhead_s: float  # fixed cost of one fetch
+    fetch_overhead_s: float  # fixed cost of one fetch: prefetch, wait and evict ops, the copy's launch
     overlap: bool  # copies run on a copy stream beside compute
-    compute_scale: float = 1.0  # measured / predicted compute, refined after offloaded runs
+    call_overhead_s: float = 0.0  # fixed cost of one call of the offloaded model: guards, wrapper, runner
+    compute_scale: float = 1.0  # measured / predicted work (FLOPs, bytes), refined after offloaded runs
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-_RATES: dict[str, DeviceRates] = {}
+_RATES: dict[tuple, DeviceRates] = {}
 
 
 def _best_time(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> float:
@@ -50,8 +52,8 @@ def _best_time(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5)
 
 
 def measure_rates(device: torch.device) -> DeviceRates:
-    """Micro-benchmarks, well under a second: a matmul, an elementwise add, a tiny op, and host→device
-    copies of 16 MiB and of one element (pinned on an accelerator, as the runtime's host masters are)."""
+    """Micro-benchmarks, well under a second: a matmul, an elementwise add, and host→device copies of 16 MiB
+    (pinned on an accelerator, as the runtime's host masters are). No overheads: see `device_rates`."""
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     n = 512
@@ -59,23 +61,35 @@ def measure_rates(device: torch.device) -> DeviceRates:
     flops = 2 * n**3 / _best_time(lambda: a @ a, sync)
     big = torch.randn(1 << 22, device=device)
     memory = 3 * big.nbytes / _best_time(lambda: big + big, sync)
-    tiny = torch.ones(1, device=device)
-    overhead = _best_time(lambda: tiny + tiny, sync, repeat=20)
     host = torch.empty(1 << 22)
-    small = torch.empty(1)
     if cuda:
-        host, small = host.pin_memory(), small.pin_memory()
-    dest, dest_small = torch.empty_like(host, device=device), torch.empty_like(small, device=device)
+        host = host.pin_memory()
+    dest = torch.empty_like(host, device=device)
     copy_s = _best_time(lambda: dest.copy_(host, non_blocking=cuda), sync)
-    fetch_overhead = _best_time(lambda: dest_small.copy_(small, non_blocking=cuda), sync, repeat=20)
-    return DeviceRates(flops, memory, overhead, host.nbytes / copy_s, fetch_overhead, overlap=cuda)
+    return DeviceRates(flops, memory, 0.0, host.nbytes / copy_s, 0.0, overlap=cuda)
 
 
-def device_rates(device: torch.device | str) -> DeviceRates:
-    """Measured once per device and cached for the process."""
-    key = str(torch.device(device))
+def _rates_key(device: torch.device, compiler: str) -> tuple:
+    # CPU rates depend on the intra-op threads (a loaded machine is steadier with fewer)
+    return str(device), compiler, torch.get_num_threads() if device.type == "cpu" else 0
+
+
+def device_rates(device: torch.device | str, compiler: str = "eager") -> DeviceRates:
+    """Measured once per device (work rates, bandwidth; host overheads per op, per call and per fetch from
+    `calibrate.measure_overheads`) and per compiler (its per-op cost), cached for the process."""
+    from . import calibrate  # runs offloaded probes: imports the api
+    device = torch.device(device)
+    key = _rates_key(device, compiler)
     if key not in _RATES:
-        _RATES[key] = measure_rates(torch.device(key))
+        if compiler != "eager":
+            eager = device_rates(device, "eager")
+            _RATES[key] = dataclasses.replace(eager, op_overhead_s=calibrate.op_seconds(device, compiler, eager),
+                                              compute_scale=1.0)
+        else:
+            base = measure_rates(device)
+            found = calibrate.measure_overheads(device, base)
+            _RATES[key] = dataclasses.replace(base, op_overhead_s=found.op_s, call_overhead_s=found.call_s,
+                                              fetch_overhead_s=found.fetch_s)
     return _RATES[key]
 
 
@@ -144,13 +158,23 @@ def node_bytes(node: fx.Node) -> int:
     return sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
 
 
-def node_seconds(node: fx.Node, rates: DeviceRates) -> float:
+def charged(node: fx.Node) -> bool:
+    """Nodes that run an op producing tensors (getitem and Python scalar arithmetic cost next to nothing)."""
     if node.op not in ("call_function", "call_method", "call_module") or node.target is operator.getitem:
-        return 0.0
-    if not _tensors(_value(node)):
+        return False
+    return bool(_tensors(_value(node)))
+
+
+def charged_nodes(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if charged(n))
+
+
+def node_seconds(node: fx.Node, rates: DeviceRates) -> float:
+    """The node's work (FLOPs or bytes, whichever binds; scaled by refined measurements) plus its dispatch."""
+    if not charged(node):
         return 0.0
     work = max(node_flops(node) / rates.flops_per_s, node_bytes(node) / rates.memory_bytes_per_s)
-    return rates.compute_scale * (rates.op_overhead_s + work)
+    return rates.op_overhead_s + rates.compute_scale * work
 
 
 # -- activations ----------------------------------------------------------------------------------------
@@ -202,6 +226,8 @@ def build_table(gm: fx.GraphModule, example_inputs: list, specs: list[GroupSpec]
         bandwidth=rates.h2d_bytes_per_s,
         activation_bytes=activation_peak(gm, set(weights)),
         fetch_overhead_s=rates.fetch_overhead_s,
+        call_overhead_s=rates.call_overhead_s + len(weights) * rates.op_overhead_s,  # a view per weight, resident or not
+        dispatch_s=charged_nodes(gm) * rates.op_overhead_s,
         overlap=rates.overlap,
         blocks_per_group=blocks_per_group,
         carry=carry)

@@ -47,7 +47,9 @@ class CostTable:
     node_seconds: tuple[float, ...]  # predicted compute time of each graph position
     bandwidth: float  # host -> device bytes per second
     activation_bytes: int = 0  # predicted activation peak on the device
-    fetch_overhead_s: float = 0.0  # fixed cost of one fetch (op dispatch, copy launch)
+    fetch_overhead_s: float = 0.0  # fixed cost of one fetch (prefetch, wait and evict ops, copy launch)
+    call_overhead_s: float = 0.0  # fixed cost of one call (guards, wrapper, graph runner, weight views)
+    dispatch_s: float = 0.0  # the part of node_seconds that is per-op dispatch, not work
     overlap: bool = True  # fetches run beside compute (copy stream) instead of inline
     blocks_per_group: int = 1
     carry: bool = False  # prefetch wrap-around (policy.prefetch_next_call): steady-state calls are predicted
@@ -118,6 +120,7 @@ class Prediction:
     activation_bytes: int
     fetches: int
     schedule: Schedule
+    call_s: float = 0.0  # the call's fixed cost
 
     @property
     def peak_bytes(self) -> int:
@@ -125,7 +128,7 @@ class Prediction:
 
     @property
     def stall_s(self) -> float:
-        return self.time_s - self.compute_s
+        return self.time_s - self.compute_s - self.call_s
 
 
 def schedule_for(table: CostTable, choice: Choice) -> Schedule:
@@ -138,10 +141,10 @@ def predict(table: CostTable, choice: Choice) -> Prediction:
     used = set(table.used_groups)
     resident_bytes = sum(table.groups[g].nbytes for g in choice.resident & used)
     streamed_peak = peak_bytes(schedule, {g: table.groups[g].nbytes for g in used})
-    return Prediction(_replay(table, schedule), table.compute_s,
+    return Prediction(table.call_overhead_s + _replay(table, schedule), table.compute_s,
                       sum(table.transfer_s(i.group) for i in schedule.instances),
                       resident_bytes + streamed_peak, resident_bytes, table.activation_bytes,
-                      len(schedule.instances), schedule)
+                      len(schedule.instances), schedule, table.call_overhead_s)
 
 
 def _replay(table: CostTable, schedule: Schedule, events: list | None = None) -> float:
@@ -348,7 +351,7 @@ def _overlap_bound(table: CostTable, streamed: set[int]) -> float:
     these groups is fetched at least once before its first use, on one copy engine that never idles. With
     wrap-around a call's first copies run in the previous call, so only the copy engine's total counts."""
     if table.carry:
-        return max(table.compute_s, sum(table.transfer_s(g) for g in streamed))
+        return table.call_overhead_s + max(table.compute_s, sum(table.transfer_s(g) for g in streamed))
     first = table.first_use()
     clock = copy_free = 0.0
     position = 0
@@ -357,7 +360,7 @@ def _overlap_bound(table: CostTable, streamed: set[int]) -> float:
         position = start
         copy_free += table.transfer_s(g)
         clock = max(clock, copy_free)
-    return clock + table.compute_between(position, len(table.node_seconds))
+    return table.call_overhead_s + clock + table.compute_between(position, len(table.node_seconds))
 
 
 def _inline_bound(table: CostTable, order: list[int], i: int, resident: frozenset[int], room: int,
@@ -374,7 +377,7 @@ def _inline_bound(table: CostTable, order: list[int], i: int, resident: frozense
         keep = 1.0 if size <= room else max(room, 0) / size
         room -= size
         streamed_s += (1.0 - keep) * table.transfer_s(g)
-    return table.compute_s + streamed_s
+    return table.call_overhead_s + table.compute_s + streamed_s
 
 
 def solve_brute_force(table: CostTable, budget_bytes: int, max_prefetch: int = 4) -> Solution:

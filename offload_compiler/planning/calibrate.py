@@ -1,0 +1,169 @@
+"""Host overheads of an offloaded graph as it runs, measured once per device and compiler on a probe: a tiny
+model of four transformer-like blocks, small enough that what its calls cost is almost all overhead.
+
+* per op: the probe's captured graph run as the policy's compiler runs it (eager: the FX GraphModule's Python
+  code, each node an aten dispatch; inductor: the compiled graph, fused), less its predicted work, per graph
+  node that `node_seconds` charges;
+* per call: the probe offloaded with every group resident (dynamo's guards, our wrapper, the graph runner,
+  the resident ops), less its graph's own time and the weight views (one op each, resident or fetched);
+* per fetch: the probe with every block streamed, against all resident, called in turn: the prefetch, wait
+  and evict ops and the copy's fixed cost, less the copies' bytes.
+
+The call and fetch terms are measured under the eager compiler only: the entry path and the transfer ops are
+the same under inductor, and an offloaded inductor probe would add tens of seconds of compilation.
+
+The graph and the two offloaded probes are called in turn and the differences taken call by call, then the
+median: a load on the machine that comes and goes falls on all three alike."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import statistics
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..policy import OffloadPolicy
+
+PROBE_WIDTH = 32
+PROBE_SEQ = 8
+PROBE_CALLS = 21
+PROBE_SECONDS = 1.5  # fewer rounds (at least 5) where calls are slow: a loaded machine, a slow device
+PROBE_BLOCKS = 4
+
+
+class _ProbeBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        heads = lambda t: t.view(t.shape[0], t.shape[1], 2, -1).transpose(1, 2)  # noqa: E731
+        attn = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+        x = x + self.out(attn.transpose(1, 2).reshape(x.shape))
+        return x + self.down(torch.nn.functional.silu(self.up(x)) * 0.5)
+
+
+class _Probe(nn.Module):
+    def __init__(self, width: int = PROBE_WIDTH) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_ProbeBlock(width) for _ in range(PROBE_BLOCKS)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Overheads:
+    op_s: float
+    call_s: float
+    fetch_s: float
+
+
+def interleaved_times(fns: list[Callable[[], Any]], sync: Callable[[], None]) -> list[list[float]]:
+    """Seconds of each call of each function, called in turn (a load on the machine falls on all alike):
+    ``PROBE_CALLS`` rounds, fewer (at least 5) past ``PROBE_SECONDS``; two untimed calls each first."""
+    for fn in fns:
+        fn(), fn()
+    sync()
+    times: list[list[float]] = [[] for _ in fns]
+    while len(times[0]) < PROBE_CALLS and (len(times[0]) < 5 or sum(map(sum, times)) < PROBE_SECONDS):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+    return times
+
+
+def _probe(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _Probe().eval(), torch.randn(1, PROBE_SEQ, PROBE_WIDTH, device=device)
+
+
+def _graph_runner(gm, example_inputs: list, compiler: str) -> Callable:
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+    return gm
+
+
+@contextlib.contextmanager
+def _offloaded_probes(policies: list[OffloadPolicy], device: torch.device) -> Iterator[list[Callable[[], Any]]]:
+    """A call of the probe offloaded under each policy (no_grad), removed afterwards."""
+    from ..api import offload_compile, remove_offload  # the api imports the planner
+    x = _probe(device)[1]
+    models = [offload_compile(_probe(device)[0], policy) for policy in policies]
+    try:
+        yield [functools.partial(torch.no_grad()(m), x) for m in models]
+    finally:
+        for m in models:
+            remove_offload(m)
+
+
+def _probe_graph(device: torch.device, rates: Any) -> tuple:
+    """The probe's captured graph, its example inputs, its groups, and ``rates`` with no overheads."""
+    from .auto import capture_graph
+    from ..grouping import plan_groups
+    model, x = _probe(device)
+    gm, example_inputs = capture_graph(model.forward, (x.cpu(),), {}, "the calibration probe")
+    specs = plan_groups(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    free = dataclasses.replace(rates, op_overhead_s=0.0, call_overhead_s=0.0, fetch_overhead_s=0.0, compute_scale=1.0)
+    return gm, example_inputs, specs, free
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def op_seconds(device: torch.device, compiler: str, rates: Any) -> float:
+    """Per charged node: the probe's graph run as the compiler runs it (eager: the GraphModule itself;
+    inductor: compiled), less its predicted work."""
+    probe = _probe_graph(device, rates)
+    graph_s = statistics.median(interleaved_times([_graph_call(probe, device, compiler)], _sync(device))[0])
+    return _per_op(probe, graph_s)
+
+
+def _graph_call(probe: tuple, device: torch.device, compiler: str) -> Callable[[], Any]:
+    gm, example_inputs = probe[:2]
+    run = torch.no_grad()(_graph_runner(gm, example_inputs, compiler))
+    return functools.partial(run, *[t.to(device) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+
+
+def _per_op(probe: tuple, graph_s: float) -> float:
+    from .costmodel import build_table, charged_nodes
+    gm, example_inputs, specs, free = probe
+    return max(graph_s - build_table(gm, example_inputs, specs, free).compute_s, 0.0) / max(charged_nodes(gm), 1)
+
+
+def measure_overheads(device: torch.device, rates: Any) -> Overheads:
+    """Per op, per call and per fetch under the eager compiler, from the probe's graph, the probe offloaded
+    with every group resident and with every block streamed, called in turn. ``rates``: the device's
+    `DeviceRates` with work rates and bandwidth measured. The call and fetch costs are the entry path and
+    the transfer ops, the same under every compiler; `op_seconds` gives another compiler's per-op cost."""
+    from .costmodel import build_table
+    probe = _probe_graph(device, rates)
+    gm, example_inputs, specs, free = probe
+    streamed = OffloadPolicy(strategy="layerwise", device=str(device), prefetch=0)
+    with _offloaded_probes([streamed.replace(strategy="budget", offload_gb=0.0), streamed], device) as calls:
+        graph, resident, stream = interleaved_times([_graph_call(probe, device, "eager")] + calls, _sync(device))
+    op_s = _per_op(probe, statistics.median(graph))
+    table = build_table(gm, example_inputs, specs, dataclasses.replace(free, op_overhead_s=op_s))
+    # the resident probe runs the same graph, plus a view per weight (table.call_overhead_s, no call cost yet)
+    call_s = max(statistics.median(r - g for g, r in zip(graph, resident)) - table.call_overhead_s, 0.0)
+    blocks = [i for i, s in enumerate(specs) if s.is_block]
+    extra_s = statistics.median(b - a for a, b in zip(resident, stream))
+    fetch_s = max((extra_s - sum(table.transfer_s(g) for g in blocks)) / len(blocks), 0.0)
+    return Overheads(op_s, call_s, fetch_s)
