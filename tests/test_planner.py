@@ -233,13 +233,13 @@ def test_predicted_time_is_within_30_percent_of_measured_on_cpu(name, one_thread
     25x with two). Medians of the timed calls, and up to three tries, each calibrating afresh: other processes
     on the machine move the timings by tens of % from one second to the next (the per-op cost measured on the
     probe and on these models' graphs, called in turn, agrees within a few %)."""
-    from offload_compiler.planning import costmodel
+    from offload_compiler.planning import calibrate
     ratios = []
     for _ in range(3):
         ratios.append(_first_plan_ratio(name))
         if 0.7 <= ratios[-1] <= 1.3:
             break
-        costmodel._RATES.clear()  # calibrate again too: the load may have changed since
+        calibrate._RATES.clear()  # calibrate again too: the load may have changed since
     assert 0.7 <= ratios[-1] <= 1.3, ratios
 
 

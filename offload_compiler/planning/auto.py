@@ -14,9 +14,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .._dynamo import is_graph_break, recompile_limits
 from ..backend import build_runtime
-from .costmodel import DeviceRates, build_table, device_rates
+from .capture import capture_graph
+from .calibrate import device_rates
+from .costmodel import DeviceRates, build_table
 from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from ..policy import OffloadPolicy
@@ -54,39 +55,6 @@ def resolve_budget(policy: OffloadPolicy) -> tuple[int, str]:
 
 
 # -- capture ----------------------------------------------------------------------------------------------
-
-class _Captured(Exception):
-    pass
-
-
-def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the model"
-                  ) -> tuple[fx.GraphModule, list]:
-    """The graph of ``forward`` (a model's own forward, bound) and its example inputs, from dynamo, without
-    running it: the backend returns a callable that aborts the call."""
-    captured = []
-
-    def recorder(gm: fx.GraphModule, example_inputs: list, **_: Any):
-        captured.append((gm, list(example_inputs)))
-
-        def abort(*_: Any) -> None:
-            raise _Captured()
-        return abort
-
-    try:
-        with torch.no_grad(), recompile_limits():
-            torch.compile(forward, backend=recorder, fullgraph=True)(*args, **kwargs)
-    except _Captured:
-        pass
-    except Exception as exc:
-        if is_graph_break(exc):
-            raise ValueError(f"strategy='auto' plans from one captured graph, but dynamo breaks the graph of "
-                             f"{name} ({exc}); fix the graph break (TORCH_LOGS=graph_breaks) "
-                             f"or use strategy='layerwise' or 'budget'") from exc
-        raise
-    if not captured:
-        raise RuntimeError(f"dynamo captured no graph from {name}; strategy='auto' cannot plan it")
-    return captured[0]
-
 
 # -- the plan ---------------------------------------------------------------------------------------------
 

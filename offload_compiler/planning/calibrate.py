@@ -27,7 +27,13 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..backend import RuntimeBackend, build_runtime
+from ..grouping import plan_groups
 from ..policy import OffloadPolicy
+from .capture import capture_graph
+from .costmodel import DeviceRates, build_table, charged_nodes, measure_rates
+
+_RATES: dict[tuple, DeviceRates] = {}
 
 PROBE_WIDTH = 32
 PROBE_SEQ = 8
@@ -103,20 +109,21 @@ def _graph_runner(gm, example_inputs: list, compiler: str) -> Callable:
 @contextlib.contextmanager
 def _offloaded_probes(policies: list[OffloadPolicy], device: torch.device) -> Iterator[list[Callable[[], Any]]]:
     """A call of the probe offloaded under each policy (no_grad), removed afterwards."""
-    from ..api import offload_compile, remove_offload  # the api imports the planner
     x = _probe(device)[1]
-    models = [offload_compile(_probe(device)[0], policy) for policy in policies]
+    runs = []
+    for policy in policies:  # the engine's own path: runtime, backend, graph runner and transfer ops
+        model = _probe(device)[0]
+        runtime = build_runtime(model, policy)
+        runs.append((runtime, torch.compile(type(model).forward.__get__(model), backend=RuntimeBackend(runtime))))
     try:
-        yield [functools.partial(torch.no_grad()(m), x) for m in models]
+        yield [functools.partial(torch.no_grad()(run), x) for _, run in runs]
     finally:
-        for m in models:
-            remove_offload(m)
+        for runtime, _ in runs:
+            runtime.unpack()
 
 
 def _probe_graph(device: torch.device, rates: Any) -> tuple:
     """The probe's captured graph, its example inputs, its groups, and ``rates`` with no overheads."""
-    from .auto import capture_graph
-    from ..grouping import plan_groups
     model, x = _probe(device)
     gm, example_inputs = capture_graph(model.forward, (x.cpu(),), {}, "the calibration probe")
     specs = plan_groups(model, OffloadPolicy(strategy="layerwise", device="cpu"))
@@ -143,7 +150,6 @@ def _graph_call(probe: tuple, device: torch.device, compiler: str) -> Callable[[
 
 
 def _per_op(probe: tuple, graph_s: float) -> float:
-    from .costmodel import build_table, charged_nodes
     gm, example_inputs, specs, free = probe
     return max(graph_s - build_table(gm, example_inputs, specs, free).compute_s, 0.0) / max(charged_nodes(gm), 1)
 
@@ -153,7 +159,6 @@ def measure_overheads(device: torch.device, rates: Any) -> Overheads:
     with every group resident and with every block streamed, called in turn. ``rates``: the device's
     `DeviceRates` with work rates and bandwidth measured. The call and fetch costs are the entry path and
     the transfer ops, the same under every compiler; `op_seconds` gives another compiler's per-op cost."""
-    from .costmodel import build_table
     probe = _probe_graph(device, rates)
     gm, example_inputs, specs, free = probe
     streamed = OffloadPolicy(strategy="layerwise", device=str(device), prefetch=0)
@@ -167,3 +172,26 @@ def measure_overheads(device: torch.device, rates: Any) -> Overheads:
     extra_s = statistics.median(b - a for a, b in zip(resident, stream))
     fetch_s = max((extra_s - sum(table.transfer_s(g) for g in blocks)) / len(blocks), 0.0)
     return Overheads(op_s, call_s, fetch_s)
+
+
+def _rates_key(device: torch.device, compiler: str) -> tuple:
+    # CPU rates depend on the intra-op threads (a loaded machine is steadier with fewer)
+    return str(device), compiler, torch.get_num_threads() if device.type == "cpu" else 0
+
+
+def device_rates(device: torch.device | str, compiler: str = "eager") -> DeviceRates:
+    """Measured once per device (work rates, bandwidth; host overheads per op, per call and per fetch from
+    `calibrate.measure_overheads`) and per compiler (its per-op cost), cached for the process."""
+    device = torch.device(device)
+    key = _rates_key(device, compiler)
+    if key not in _RATES:
+        if compiler != "eager":
+            eager = device_rates(device, "eager")
+            _RATES[key] = dataclasses.replace(eager, op_overhead_s=op_seconds(device, compiler, eager),
+                                              compute_scale=1.0)
+        else:
+            base = measure_rates(device)
+            found = measure_overheads(device, base)
+            _RATES[key] = dataclasses.replace(base, op_overhead_s=found.op_s, call_overhead_s=found.call_s,
+                                              fetch_overhead_s=found.fetch_s)
+    return _RATES[key]

@@ -36,7 +36,6 @@ class DeviceRates:
         return dataclasses.asdict(self)
 
 
-_RATES: dict[tuple, DeviceRates] = {}
 
 
 def _best_time(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> float:
@@ -67,30 +66,6 @@ def measure_rates(device: torch.device) -> DeviceRates:
     dest = torch.empty_like(host, device=device)
     copy_s = _best_time(lambda: dest.copy_(host, non_blocking=cuda), sync)
     return DeviceRates(flops, memory, 0.0, host.nbytes / copy_s, 0.0, overlap=cuda)
-
-
-def _rates_key(device: torch.device, compiler: str) -> tuple:
-    # CPU rates depend on the intra-op threads (a loaded machine is steadier with fewer)
-    return str(device), compiler, torch.get_num_threads() if device.type == "cpu" else 0
-
-
-def device_rates(device: torch.device | str, compiler: str = "eager") -> DeviceRates:
-    """Measured once per device (work rates, bandwidth; host overheads per op, per call and per fetch from
-    `calibrate.measure_overheads`) and per compiler (its per-op cost), cached for the process."""
-    from . import calibrate  # runs offloaded probes: imports the api
-    device = torch.device(device)
-    key = _rates_key(device, compiler)
-    if key not in _RATES:
-        if compiler != "eager":
-            eager = device_rates(device, "eager")
-            _RATES[key] = dataclasses.replace(eager, op_overhead_s=calibrate.op_seconds(device, compiler, eager),
-                                              compute_scale=1.0)
-        else:
-            base = measure_rates(device)
-            found = calibrate.measure_overheads(device, base)
-            _RATES[key] = dataclasses.replace(base, op_overhead_s=found.op_s, call_overhead_s=found.call_s,
-                                              fetch_overhead_s=found.fetch_s)
-    return _RATES[key]
 
 
 # -- compute per node -----------------------------------------------------------------------------------
