@@ -8,10 +8,9 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
-import torch.fx as fx
 from torch import nn
 
 from ..backend import build_runtime
