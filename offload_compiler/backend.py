@@ -17,6 +17,7 @@ from torch import nn
 
 from . import ops  # noqa: F401  (registers the transfer ops)
 from .grouping import GroupSpec, plan_groups
+from .lowering import lower_for_eager
 from .passes.analysis import collect_uses, weight_inputs
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
@@ -136,7 +137,7 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadR
     if runtime.policy.compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
         return Variant(compile_fx(new_gm, example_inputs), num_outputs, None, plan.carry_keys, index)
-    return Variant(new_gm, num_outputs, None, plan.carry_keys, index)
+    return Variant(lower_for_eager(new_gm, runtime, num_outputs), num_outputs, None, plan.carry_keys, index)
 
 
 class GraphRunner:

@@ -7,6 +7,7 @@ Everything that changes while a model runs lives in `OffloadRuntime`. The graph'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -116,8 +117,8 @@ class Group:
     exclusive: bool = False
     packed: bool = False
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # the buckets' sizes are fixed by layout_group
         return sum(b.nbytes for b in self.buckets)
 
 
@@ -155,7 +156,8 @@ class DeviceSlot:
         self.nbytes = sum(numel * dtype.itemsize for numel, dtype in size_class)
         self.group: int | None = None
         self._buffers: list[torch.Tensor] | None = None
-        self._events: tuple | None = None
+        self.ready = self.free = None  # CUDA events, made with the buffers
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights' views over the buffers
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -163,22 +165,19 @@ class DeviceSlot:
         device memory (and a graph can be rewritten for a device this process cannot allocate on)."""
         if self._buffers is None:
             self._buffers = [torch.empty(numel, dtype=dtype, device=self.device) for numel, dtype in self.size_class]
+            if self.device.type == "cuda":
+                self.ready, self.free = torch.cuda.Event(), torch.cuda.Event()
         return self._buffers
 
-    def _event(self, which: int):
-        if self.device.type != "cuda":
-            return None
-        if self._events is None:
-            self._events = (torch.cuda.Event(), torch.cuda.Event())
-        return self._events[which]
-
-    @property
-    def ready(self):
-        return self._event(0)
-
-    @property
-    def free(self):
-        return self._event(1)
+    def views(self, group: "Group") -> tuple[torch.Tensor, ...]:
+        """Each weight of ``group`` as a view over this slot's buffers (the views the insert pass describes),
+        made at the first use and the same tensors on every call."""
+        made = self._views.get(group.index)
+        if made is None:
+            buffers = self.buffers
+            made = self._views[group.index] = tuple(
+                buffers[s.bucket][s.offset:s.offset + s.numel].view(s.shape) for s in group.slots)
+        return made
 
     def poison(self) -> None:
         for buf in self.buffers:
@@ -412,10 +411,11 @@ class OffloadRuntime:
             self._maybe_fail("fetch", group.index)
         if slot.group is not None:
             self._vacate(slot)
+        buffers = slot.buffers
         if slot.ready is not None:
             self._copy_on_stream(slot, group)
         else:
-            for buf, bucket in zip(slot.buffers, group.buckets):
+            for buf, bucket in zip(buffers, group.buckets):
                 buf.copy_(bucket.source())
         slot.group = group.index
         self.ledger.occupy(slot.nbytes)
@@ -550,12 +550,19 @@ class OffloadRuntime:
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
         """The group's slot, ready for compute: its flat buffers (the same tensors every call)."""
+        return self._wait(key, group).buffers
+
+    def wait_views(self, key: int, group: int) -> tuple[torch.Tensor, ...]:
+        """As `wait`, but the group's weights themselves (views over the slot made once): the eager path."""
+        slot = self._wait(key, group)
+        return slot.views(self.groups[slot.group])
+
+    def _wait(self, key: int, group: int) -> DeviceSlot:
         group = self._actual(group)
         self.used_groups.add(group)
-        g = self.groups[group]
-        slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], g)
+        slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], self.groups[group])
         self._live[group] = self._ready(slot)
-        return slot.buffers
+        return slot
 
     def evict(self, group: int, poison: bool, park: bool = False) -> None:
         group = self._actual(group)
@@ -601,6 +608,13 @@ class OffloadRuntime:
     def resident(self, group: int) -> list[torch.Tensor]:
         """The persistent device copy of a resident group (a slot of its own, outside the streamed pool),
         refilled in place when a host weight changed."""
+        return self._resident_slot(group).buffers
+
+    def resident_views(self, group: int) -> tuple[torch.Tensor, ...]:
+        slot = self._resident_slot(group)
+        return slot.views(self.groups[slot.group])
+
+    def _resident_slot(self, group: int) -> DeviceSlot:
         group = self._actual(group)
         self.used_groups.add(group)
         g = self.groups[group]
@@ -611,7 +625,7 @@ class OffloadRuntime:
             if held is not None:
                 self._release(slot)
             self._resident[group] = (self._ready(self._fill(slot, g)), stamp)
-        return self._resident[group][0].buffers
+        return self._resident[group][0]
 
     def begin_graph(self, carry_keys: frozenset[int]) -> None:
         """A graph is about to run: copies carried for another graph (the next call took a different graph:

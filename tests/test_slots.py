@@ -15,15 +15,15 @@ SPEC = ModelSpec(16, (BlockSpec("mlp", 32), BlockSpec("attention", 1), BlockSpec
 
 
 def _record_fetches(runtime) -> list:
-    """(group, data_ptr of each weight view) of every wait, in call order."""
+    """(group, data_ptr of each flat buffer of its slot) of every wait, in call order."""
     seen = []
-    wait = runtime.wait
+    wait = runtime._wait  # what both the eager path and the graph ops take a fetched slot from
 
     def recording(key, group):
-        views = wait(key, group)
-        seen.append((group, tuple(v.data_ptr() for v in views)))
-        return views
-    runtime.wait = recording
+        slot = wait(key, group)
+        seen.append((group, tuple(b.data_ptr() for b in slot.buffers)))
+        return slot
+    runtime._wait = recording
     return seen
 
 
@@ -46,7 +46,7 @@ def test_each_group_lands_at_the_same_address_every_call_from_a_fixed_pool(compi
         seen = _record_fetches(runtime)
         assert torch.allclose(m(x), expected, atol=1e-5)
         calls.append(seen)
-        del runtime.wait
+        del runtime._wait
     assert calls[0] and calls[0] == calls[1] == calls[2]  # same groups, same addresses, every call
     assert _slot_memory(runtime) == pool_before  # no slot was added or reallocated after the first call
     slot_ranges = [(p, p + b.untyped_storage().nbytes()) for slots in runtime.pool.slots.values()

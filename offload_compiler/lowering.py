@@ -1,0 +1,97 @@
+"""Run a verified graph eagerly without the dispatcher: its transfer ops become direct calls into the runtime.
+
+The passes rewrite, verify and plan slots on a graph of `ops` (opaque operators with tokens, which dynamo, AOT
+autograd and inductor need). Eagerly, Python runs the nodes in graph order, so the tokens order nothing and a
+trip through the dispatcher per op (the op's schema, then back into Python) is pure cost, as is one
+``as_strided`` per weight per call. `lower_for_eager` substitutes node for node, after verification:
+
+  prefetch(runtime, group, key, deps, mode)        → runtime.prefetch(key, group, mode)
+  wait(...) / resident(...) and the views over them  → the slot's weight views, made once per slot and group
+  evict(runtime, group, poison, buffers, users, park) → runtime.evict(group, poison, park)
+
+and the graph returns only the model's outputs (the extra outputs kept slots alive under inductor). What runs
+is the verified schedule, position for position; only the calling convention changes.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+import torch
+import torch.fx as fx
+
+from .runtime import OffloadRuntime
+
+OPS = torch.ops.offload_compiler
+
+
+def _direct_calls(runtime: OffloadRuntime) -> dict:
+    """The graph's view of the runtime, held weakly: dynamo's cache keeps graphs for the life of the process,
+    and a graph must not keep its model's weights alive."""
+    ref = weakref.ref(runtime)
+
+    def offload_prefetch(key: int, group: int, mode: int) -> None:
+        ref().prefetch(key, group, mode)
+
+    def offload_wait(key: int, group: int) -> tuple:
+        return ref().wait_views(key, group)
+
+    def offload_evict(group: int, poison: bool, park: bool) -> None:
+        ref().evict(group, poison, park)
+
+    def offload_resident(group: int) -> tuple:
+        return ref().resident_views(group)
+
+    return {OPS.prefetch.default: (offload_prefetch, lambda a: (a[2], a[1], a[4] if len(a) > 4 else 0)),
+            OPS.wait.default: (offload_wait, lambda a: (a[2], a[1])),
+            OPS.evict.default: (offload_evict, lambda a: (a[1], a[2], a[5] if len(a) > 5 else False)),
+            OPS.resident.default: (offload_resident, lambda a: (a[1],))}
+
+
+def _slot_index(layout: list[tuple[int, tuple[int, ...], int]]) -> dict[tuple, int]:
+    """(bucket, shape, offset) of a weight's view → its slot in the group (what the insert pass viewed)."""
+    return {(bucket, tuple(shape), offset): slot for slot, (bucket, shape, offset) in enumerate(layout)}
+
+
+def lower_for_eager(gm: fx.GraphModule, runtime: OffloadRuntime, num_outputs: int) -> fx.GraphModule:
+    """``gm`` (a rewritten, verified graph) with its transfer ops as direct runtime calls; see the module doc."""
+    graph = gm.graph
+    calls = _direct_calls(runtime)
+    gone: list[fx.Node] = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in calls:
+            continue
+        fn, args_of = calls[node.target]
+        with graph.inserting_before(node):
+            direct = graph.call_function(fn, args_of(node.args))
+        if node.target in (OPS.wait.default, OPS.resident.default):
+            _views_from_slot(node, direct, _slot_index(runtime.layout[node.args[1]]), gone)
+        gone.append(node)
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = output.args[0]
+    output.args = (tuple(results[:num_outputs if num_outputs >= 0 else 1]),)
+    for node in reversed(gone):  # erased consumers first: each has no users left by then
+        for user in list(node.users):
+            if user.target is operator.getitem and not user.users:
+                graph.erase_node(user)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _views_from_slot(fetched: fx.Node, direct: fx.Node, slot_of: dict[tuple, int], gone: list[fx.Node]) -> None:
+    """Each ``as_strided`` over one of the fetch's flat buffers reads the slot's ready-made view instead."""
+    for item in list(fetched.users):
+        if item.target is not operator.getitem:
+            continue
+        bucket = item.args[1]
+        for view in list(item.users):
+            if view.target is not torch.ops.aten.as_strided.default:
+                continue
+            _, shape, _, offset = view.args
+            with fetched.graph.inserting_before(view):
+                made = fetched.graph.call_function(operator.getitem, (direct, slot_of[(bucket, tuple(shape), offset)]))
+            made.meta.update(view.meta)
+            view.replace_all_uses_with(made)
+            fetched.graph.erase_node(view)
