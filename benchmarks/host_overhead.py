@@ -59,18 +59,18 @@ class Stack(nn.Module):
         return x
 
 
-def _functional_call_offload(model: Stack) -> None:
+def functional_call_offload(blocks) -> None:
     """vLLM's cpu_offload_gb mechanism per block: the host weights stay, each forward copies the block's state
     dict to the device and runs ``torch.func.functional_call``."""
     from torch.func import functional_call
-    for block in model.blocks:
+    for block in blocks:
         forward = block.forward
 
-        def offloaded(x, block=block, forward=forward):
+        def offloaded(*args, block=block, forward=forward, **kwargs):
             block.forward = forward
             try:
                 state = {k: v.to("cpu", non_blocking=True) for k, v in block.state_dict().items()}
-                return functional_call(block, state, (x,))
+                return functional_call(block, state, args, kwargs)
             finally:
                 block.forward = offloaded
         block.forward = offloaded
@@ -98,7 +98,7 @@ def setup(name: str, model: Stack) -> tuple[object, dict]:
         cpu_offload(model, execution_device=torch.device("cpu"))
         return model, {"call": "accelerate.cpu_offload(model, execution_device=cpu)"}
     if name == "vllm-functional_call":
-        _functional_call_offload(model)
+        functional_call_offload(model.blocks)
         return model, {"call": "per block: state_dict().to(cpu) + torch.func.functional_call"}
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
 

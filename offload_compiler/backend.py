@@ -19,6 +19,7 @@ from . import ops  # noqa: F401  (registers the transfer ops)
 from .grouping import GroupSpec, plan_groups
 from .lowering import lower_for_eager
 from .passes.analysis import collect_uses, weight_inputs
+from .passes.fuse import fuse_transfers
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
 from .passes.slots import assign_slots, pool_bytes
@@ -136,7 +137,7 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadR
     index = len(runtime.graph_plans) - 1
     if runtime.policy.compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        return Variant(compile_fx(new_gm, example_inputs), num_outputs, None, plan.carry_keys, index)
+        return Variant(compile_fx(fuse_transfers(new_gm), example_inputs), num_outputs, None, plan.carry_keys, index)
     return Variant(lower_for_eager(new_gm, runtime, num_outputs), num_outputs, None, plan.carry_keys, index)
 
 

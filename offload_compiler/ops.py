@@ -65,11 +65,19 @@ def resident(runtime: int, group: int) -> list[torch.Tensor]:
     return runtime_by_id(runtime).resident(group)
 
 
+def transfer(runtime: int, steps: list[int], group: int, key: int, deps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A wait fused with the evicts and prefetches just before it (`passes.fuse`): one op where there were
+    several. ``steps`` is flat: (kind, group, a, b) per evict (poison, park) or prefetch (key, mode)."""
+    return runtime_by_id(runtime).transfer(steps, key, group)
+
+
 _define("prefetch(int runtime, int group, int key, Tensor[] deps, int mode=0) -> Tensor", prefetch, _token)
 _define("wait(int runtime, int group, int key, Tensor[] deps) -> Tensor[]", wait, _fake_buffers)
 _define("evict(int runtime, int group, bool poison, Tensor[] buffers, Tensor[] users, bool park=False) -> Tensor",
         evict, _token, tags=(torch.Tag.flexible_layout,))
 _define("resident(int runtime, int group) -> Tensor[]", resident, _fake_buffers)
+_define("transfer(int runtime, int[] steps, int group, int key, Tensor[] deps) -> Tensor[]", transfer,
+        lambda runtime, steps, group, *_: _fake_buffers(runtime, group))
 
 
 @custom_op(f"{NAMESPACE}::materialize", mutates_args=())

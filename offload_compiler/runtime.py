@@ -20,6 +20,7 @@ import torch
 from ._registry import _RUNTIMES
 from .distributed import dtensor_spec, is_dtensor, local_of, set_local
 from .grouping import GroupSpec
+from .passes.fuse import EVICT as EVICT_STEP
 from .passes.schedule import ADOPT, CARRY, FETCH
 from .policy import OffloadPolicy
 
@@ -556,6 +557,16 @@ class OffloadRuntime:
         """As `wait`, but the group's weights themselves (views over the slot made once): the eager path."""
         slot = self._wait(key, group)
         return slot.views(self.groups[slot.group])
+
+    def transfer(self, steps: list[int], key: int, group: int) -> list[torch.Tensor]:
+        """The evicts and prefetches of ``steps`` (see `passes.fuse`), in order, then `wait`."""
+        for i in range(0, len(steps), 4):
+            kind, other, a, b = steps[i:i + 4]
+            if kind == EVICT_STEP:
+                self.evict(other, bool(a), bool(b))
+            else:
+                self.prefetch(a, other, b)
+        return self._wait(key, group).buffers
 
     def _wait(self, key: int, group: int) -> DeviceSlot:
         group = self._actual(group)

@@ -1,0 +1,162 @@
+"""Decode at batch 1 (CPU): one token per call with a KV cache, where an offloader's host work shows most.
+
+A tiny Llama (transformers, built from a config, random weights) prefills a prompt once per round; then each
+method decodes ``--tokens`` tokens greedily from a copy of that cache, one forward per token. Methods in this
+one process, interleaved round by round, medians of the time per token:
+
+  plain-eager / plain-inductor   the model itself (eager; torch.compile with inductor)
+  ours-eager / ours-inductor     offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+  diffusers-group-block          diffusers apply_group_offloading(block_level, 1 layer per group, onload cpu)
+  vllm-functional_call           each layer copies its state dict per forward and runs torch.func.functional_call
+
+Per method: ms per token, its ratio to its plain counterpart (ours-inductor against plain-inductor, everything
+else against plain-eager), minor page faults per token, and for ours the bytes and fetches of one token from
+the ledger (offloading happened, every layer streamed per token).
+
+    python benchmarks/decode.py                      # writes benchmarks/results/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment, exact_command, write_json  # noqa: E402
+from host_overhead import functional_call_offload  # noqa: E402
+
+METHODS = ("plain-eager", "plain-inductor", "ours-eager", "ours-inductor", "diffusers-group-block",
+           "vllm-functional_call")
+BASELINE = {"ours-inductor": "plain-inductor"}  # every other method is measured against plain-eager
+
+
+def setup(name: str, model) -> tuple[object, dict]:
+    if name == "plain-eager":
+        return model, {}
+    if name == "plain-inductor":
+        return torch.compile(model, backend="inductor"), {}
+    if name.startswith("ours-"):
+        from offload_compiler import OffloadPolicy, offload_compile
+        policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler=name.split("-", 1)[1])
+        return offload_compile(model, policy), {"policy": repr(policy)}
+    if name == "diffusers-group-block":
+        from diffusers.hooks import apply_group_offloading
+        apply_group_offloading(model, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1)
+        return model, {"call": "apply_group_offloading(model, onload_device=cpu, offload_device=cpu, "
+                               "offload_type='block_level', num_blocks_per_group=1)"}
+    if name == "vllm-functional_call":
+        functional_call_offload(model.model.layers)
+        return model, {"call": "per decoder layer: state_dict().to(cpu) + torch.func.functional_call"}
+    raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
+
+
+def prefill(model, prompt: torch.Tensor):
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+    return out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+
+def decode(fn, cache, token: torch.Tensor, tokens: int) -> list[int]:
+    """Greedy decode from a copy of ``cache``; the tokens produced."""
+    cache = copy.deepcopy(cache)
+    produced = []
+    with torch.no_grad():
+        for _ in range(tokens):
+            out = fn(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            produced.append(int(token))
+    return produced
+
+
+def _timed(fn, cache, token, tokens: int) -> tuple[float, float]:
+    cache = copy.deepcopy(cache)  # outside the timing
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(tokens):
+            out = fn(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    seconds = (time.perf_counter() - start) / tokens
+    return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / tokens
+
+
+def _moved_per_token(fn, cache, token) -> dict:
+    from offload_compiler import offload_stats, reset_offload_stats
+    cache = copy.deepcopy(cache)
+    reset_offload_stats(fn)
+    with torch.no_grad():
+        fn(input_ids=token, past_key_values=cache, use_cache=True)
+    stats = offload_stats(fn)
+    return {"fetches_per_token": stats.fetch_count, "bytes_per_token": stats.bytes_transferred,
+            "peak_device_weight_bytes": stats.peak_device_weight_bytes}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens prefilled once per round")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens decoded per method per round")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds; the medians are over these")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
+    args = parser.parse_args(argv)
+    from offload_compiler.testing.models import llama
+    torch.set_num_threads(1)
+    reference, inputs = llama(layers=args.layers, hidden=args.hidden, vocab=256, seq=args.prompt)
+    cache, first = prefill(reference, inputs["input_ids"])
+    expected = decode(reference, cache, first, args.tokens)
+    runs, info, errors = {}, {}, {}
+    for name in args.methods:
+        try:
+            runs[name], info[name] = setup(name, copy.deepcopy(reference))
+            produced = decode(runs[name], cache, first, args.tokens)  # warm-up: every cache length compiled
+            produced = decode(runs[name], cache, first, args.tokens)
+            info[name]["same_tokens"] = produced == expected
+            if name.startswith("ours-"):
+                info[name].update(_moved_per_token(runs[name], cache, first))
+        except Exception as exc:  # a method that cannot run here is reported, not fatal
+            errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            runs.pop(name, None)
+    samples = {name: ([], []) for name in runs}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            seconds, faults = _timed(fn, cache, first, args.tokens)
+            samples[name][0].append(seconds)
+            samples[name][1].append(faults)
+    results = {name: {"token_s_median": statistics.median(s), "minor_faults_per_token_median": statistics.median(f),
+                      **info[name]} for name, (s, f) in samples.items()}
+    for name, r in results.items():
+        base = results.get(BASELINE.get(name, "plain-eager"))
+        if base is not None and not name.startswith("plain-"):
+            r["baseline"] = BASELINE.get(name, "plain-eager")
+            r["over_plain"] = r["token_s_median"] / base["token_s_median"]
+    for name, error in errors.items():
+        results[name] = {"error": error}
+    summary = {name: {"over_plain": results.get(name, {}).get("over_plain"), "target": 1.10,
+                      "meets_target": (results.get(name, {}).get("over_plain") or 99) <= 1.10}
+               for name in ("ours-eager", "ours-inductor")}
+    data = {"command": exact_command(), "environment": environment(),
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "methods": results, "summary": summary}
+    write_json(args.out, data)
+    for name, r in results.items():
+        print(f"{name:24s} " + (r["error"] if "error" in r else
+                                f"{r['token_s_median'] * 1e3:8.3f} ms/token  "
+                                f"{r.get('over_plain', float('nan')):5.2f}x plain  "
+                                f"{r['minor_faults_per_token_median']:8.1f} faults/token"
+                                + ("" if r.get("same_tokens", True) else "  TOKENS DIFFER")))
+    print(summary)
+    return data
+
+
+if __name__ == "__main__":
+    main()
