@@ -63,7 +63,8 @@ def check_movable(weights: list[Weight]) -> None:
     bad = [(w.name, why) for w in weights if (why := _unmovable(w.tensor)) is not None]
     if bad:
         listed = "; ".join(f"{name} is {why}" for name, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise ValueError(f"offload_compiler moves dense (strided) tensors only: {listed}. Load real weights "
+        raise ValueError(f"offload_compiler moves plain dense (strided) tensors only (of a subclass weight, its inner "
+                         f"tensors): {listed}. Load real weights "
                          f"(for meta tensors), dequantize, or convert these weights to plain tensors or to a traceable "
                          f"tensor subclass (one with __tensor_flatten__/__tensor_unflatten__: torchao's quantize_ "
                          f"configs, optimum-quanto, DTensor weights of torch.distributed.tensor.parallel), whose inner "
