@@ -26,6 +26,7 @@ from .passes.slots import assign_slots, pool_bytes
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime, size_class
+from .subclasses import leaf_nbytes
 
 OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
                  "offload_compile(model, policy)")
@@ -68,7 +69,7 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) not in managed and id(tensor) not in seen:
             seen.add(id(tensor))
-            runtime.unmanaged_bytes += tensor.numel() * tensor.element_size()
+            runtime.unmanaged_bytes += leaf_nbytes(tensor)
     return runtime
 
 
@@ -85,7 +86,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     resident = {w.group for w in weights.values()} - streamed
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
                                  runtime.new_fetch_key, _parked_instance(schedule, runtime),
-                                 frozenset(runtime.dtensor_specs), materialize_readers=policy.compiler == "inductor")
+                                 materialize_readers=policy.compiler == "inductor")
     group_bytes = {g.index: g.nbytes for g in runtime.groups}
     verified = verify(rewritten.graph_module, weights, group_bytes)
     class_of = lambda group: size_class(runtime.groups[group])  # noqa: E731

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import components
-from .distributed import is_dtensor, local_of
+from .subclasses import leaf_nbytes, plain_leaves, untraceable
 from .policy import OffloadPolicy
 
 BLOCKS_ATTR = "_layerwise_offload_blocks_attr"
@@ -25,8 +25,7 @@ class Weight:
 
     @property
     def nbytes(self) -> int:
-        local = local_of(self.tensor)  # a DTensor weight: the shard this rank holds
-        return local.numel() * local.element_size()
+        return leaf_nbytes(self.tensor)  # a subclass weight: its inner tensors (quantized bytes, a rank's shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,27 +43,32 @@ class GroupSpec:
 
 
 def _unmovable(tensor: torch.Tensor) -> str | None:
-    if is_dtensor(tensor):  # tensor parallel: this rank's local shard moves
-        return _unmovable(local_of(tensor))
-    if tensor.is_meta:
-        return "on the meta device (not loaded)"
-    if tensor.is_quantized:
-        return "a quantized tensor"
-    if type(tensor.data) is not torch.Tensor:
-        return f"a tensor subclass ({type(tensor.data).__name__})"
-    if tensor.layout != torch.strided:
-        return f"a {tensor.layout} tensor"
+    """Why a weight cannot be packed and moved, else None. A traceable subclass (quantized weights, DTensor)
+    moves as its inner tensors, so those are what must be movable."""
+    if (why := untraceable(tensor)) is not None:
+        return why
+    for leaf in plain_leaves(tensor):
+        if leaf.is_meta:
+            return "on the meta device (not loaded)"
+        if leaf.is_quantized:
+            return "a quantized tensor of torch.ao (torch.quantize_per_tensor)"
+        if leaf.layout != torch.strided:
+            return f"a {leaf.layout} tensor"
     return None
 
 
 def check_movable(weights: list[Weight]) -> None:
-    """The engine moves plain dense tensors; refuse the others before anything is touched."""
+    """The engine moves plain dense tensors (a subclass weight's inner ones); refuse the others before anything
+    is touched."""
     bad = [(w.name, why) for w in weights if (why := _unmovable(w.tensor)) is not None]
     if bad:
         listed = "; ".join(f"{name} is {why}" for name, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise ValueError(f"offload_compiler moves plain dense (strided) tensors only: {listed}. Load real weights "
-                         f"(for meta tensors), dequantize, or convert subclass weights to plain tensors first (DTensor "
-                         f"weights of torch.distributed.tensor.parallel are supported: each rank moves its shard)")
+        raise ValueError(f"offload_compiler moves plain dense (strided) tensors only (of a subclass weight, its inner "
+                         f"tensors): {listed}. Load real weights "
+                         f"(for meta tensors), dequantize, or convert these weights to plain tensors or to a traceable "
+                         f"tensor subclass (one with __tensor_flatten__/__tensor_unflatten__: torchao's quantize_ "
+                         f"configs, optimum-quanto, DTensor weights of torch.distributed.tensor.parallel), whose inner "
+                         f"tensors are moved")
 
 
 def collect_weights(model: nn.Module) -> list[Weight]:

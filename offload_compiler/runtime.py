@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 
 from ._registry import _RUNTIMES
-from .distributed import dtensor_spec, is_dtensor, local_of, set_local
 from .grouping import GroupSpec
 from .passes.fuse import EVICT as EVICT_STEP
 from .passes.schedule import ADOPT, CARRY, FETCH
 from .policy import OffloadPolicy
+from .subclasses import Path, RebuildSpec, leaf_at, leaf_paths, rebuild_spec, set_leaf
 
 log = logging.getLogger("offload_compiler")
 
@@ -79,33 +79,58 @@ class Carried:
 
 
 @dataclasses.dataclass
-class Slot:
-    """Where one weight sits inside its group's flat buffer of one dtype."""
-    name: str
-    tensor: torch.Tensor
+class Leaf:
+    """Where one plain tensor of a weight sits inside its group's flat buffer of one dtype: the weight itself,
+    or an inner tensor (at ``path``) of a tensor-subclass weight (quantized data, scales; a DTensor's shard).
+    ``stride`` is its layout in the buffer: its own where that is dense (channels_last, transposed; the graph
+    views it so), else contiguous; ``own_stride`` is what unpack restores."""
+    tensor: torch.Tensor  # the weight
+    path: Path
     bucket: int
     offset: int
     shape: tuple[int, ...]
+    stride: tuple[int, ...]
     numel: int
+    own_stride: tuple[int, ...]
     host_ptr: int = 0
-    stride: tuple[int, ...] = ()  # the weight's own layout (channels_last, transposed), restored by unpack
+
+    @property
+    def value(self) -> torch.Tensor:
+        return leaf_at(self.tensor, self.path)
+
+    def assign(self, value: torch.Tensor) -> None:
+        set_leaf(self.tensor, self.path, value)
+
+    def host_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This leaf's place in its flat buffer, with its layout."""
+        return flat.as_strided(self.shape, self.stride, self.offset)
+
+
+@dataclasses.dataclass
+class Slot:
+    """One weight of a group: its leaves (one for a plain weight) and, for a subclass weight, how the graph
+    rebuilds it around them."""
+    name: str
+    tensor: torch.Tensor
+    leaves: list[Leaf]
+    rebuild: RebuildSpec | None = None
 
 
 @dataclasses.dataclass
 class Bucket:
-    """One flat host buffer (one dtype) of a group; ``owner`` is set for a weight that cannot be packed
-    (it shares storage with another tensor), which is then copied from the weight itself."""
+    """One flat host buffer (one dtype) of a group; ``owner`` is set for a leaf that cannot be packed
+    (it shares storage with another tensor), which is then copied from the leaf itself."""
     dtype: torch.dtype
     numel: int
     host: torch.Tensor | None
-    owner: Slot | None = None
+    owner: Leaf | None = None
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
     def source(self) -> torch.Tensor:
-        return self.host if self.owner is None else local_of(self.owner.tensor).detach().reshape(-1)
+        return self.host if self.owner is None else self.owner.value.detach().reshape(-1)
 
 
 @dataclasses.dataclass
@@ -121,6 +146,10 @@ class Group:
     @functools.cached_property
     def nbytes(self) -> int:  # the buckets' sizes are fixed by layout_group
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        return [leaf for slot in self.slots for leaf in slot.leaves]
 
 
 class Ledger:
@@ -269,44 +298,68 @@ def overlapping(tensors: list[torch.Tensor]) -> set[int]:
     return shared
 
 
+def dense_layout(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """The strides cover exactly ``numel`` consecutive elements (a permutation of a contiguous layout)."""
+    expected = 1
+    for size, step in sorted(((size, step) for size, step in zip(shape, stride) if size != 1), key=lambda d: d[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return 0 not in shape
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()) -> Group:
-    """Where each weight of a group goes in its flat buffers (one per dtype); touches no tensor data."""
+    """Where each leaf of a group's weights goes in its flat buffers (one per dtype); touches no tensor data."""
     slots: list[Slot] = []
     buckets: list[Bucket] = []
     by_dtype: dict[torch.dtype, int] = {}
     for w in spec.weights:
-        t = local_of(w.tensor)  # a DTensor weight is laid out as its local shard; the slot keeps the DTensor
-        shape, numel, stride = tuple(t.shape), t.numel(), tuple(t.stride())
-        if id(t) in unpackable:
-            slot = Slot(w.name, w.tensor, len(buckets), 0, shape, numel, stride=stride)
-            buckets.append(Bucket(t.dtype, numel, None, owner=slot))
-        else:
-            if t.dtype not in by_dtype:
-                by_dtype[t.dtype] = len(buckets)
-                buckets.append(Bucket(t.dtype, 0, None))
-            bucket = buckets[by_dtype[t.dtype]]
-            slot = Slot(w.name, w.tensor, by_dtype[t.dtype], bucket.numel, shape, numel, stride=stride)
-            bucket.numel += numel
-        slots.append(slot)
+        leaves = []
+        for path in leaf_paths(w.tensor):
+            t = leaf_at(w.tensor, path)
+            shape, numel, own = tuple(t.shape), t.numel(), tuple(t.stride())
+            packed = id(t) not in unpackable
+            stride = own if packed and dense_layout(shape, own) else contiguous_stride(shape)
+            if not packed:  # copied from the leaf itself, into a bucket of its own
+                leaf = Leaf(w.tensor, path, len(buckets), 0, shape, stride, numel, own)
+                buckets.append(Bucket(t.dtype, numel, None, owner=leaf))
+            else:
+                if t.dtype not in by_dtype:
+                    by_dtype[t.dtype] = len(buckets)
+                    buckets.append(Bucket(t.dtype, 0, None))
+                bucket = buckets[by_dtype[t.dtype]]
+                leaf = Leaf(w.tensor, path, by_dtype[t.dtype], bucket.numel, shape, stride, numel, own)
+                bucket.numel += numel
+            leaves.append(leaf)
+        slots.append(Slot(w.name, w.tensor, leaves, rebuild_spec(w.tensor)))
     return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive)
 
 
 def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None,
                registrations: HostRegistrations | None = None) -> None:
-    """Copy a group's weights into one flat host buffer per dtype and make each weight's ``.data`` a view
-    into it, so the module keeps its parameters (and ``state_dict``) while one copy moves the group."""
+    """Copy a group's leaves into one flat host buffer per dtype (pinned: the buffer, never a subclass's own
+    ``pin_memory``) and point each leaf at its place in it, so the module keeps its parameters (a subclass
+    weight stays that subclass, and ``state_dict`` works) while one copy moves the group."""
     for bi, bucket in enumerate(group.buckets):
         owner = bucket.owner
-        if owner is not None and is_dtensor(owner.tensor) and local_of(owner.tensor).device.type != "cpu":
-            # a DTensor shard placed on the mesh's device (parallelize_module on a cuda mesh) goes to host memory
-            set_local(owner.tensor, local_of(owner.tensor).detach().to("cpu"))
+        if owner is not None and owner.value.device.type != "cpu":
+            # a leaf on another device (a DTensor shard placed on a cuda mesh) goes to host memory
+            owner.assign(owner.value.detach().to("cpu"))
         if bucket.owner is not None or bucket.host is not None:
             continue
         flat = torch.empty(bucket.numel, dtype=bucket.dtype)
-        members = [s for s in group.slots if s.bucket == bi]
+        members = [leaf for leaf in group.leaves if leaf.bucket == bi]
         with torch.no_grad():
-            for s in members:
-                flat[s.offset:s.offset + s.numel].copy_(local_of(s.tensor).detach().reshape(-1))
+            for leaf in members:
+                leaf.host_view(flat).copy_(leaf.value.detach())
         if pin:
             try:
                 flat = _pin_exact(flat, registrations)
@@ -314,21 +367,40 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
                 if on_pin_failure is None:
                     raise
                 on_pin_failure(str(exc))
-        for s in members:
-            set_local(s.tensor, flat[s.offset:s.offset + s.numel].view(s.shape))
+        for leaf in members:
+            leaf.assign(leaf.host_view(flat))
         bucket.host = flat
-    for s in group.slots:
-        s.host_ptr = local_of(s.tensor).data_ptr()
+    for leaf in group.leaves:
+        leaf.host_ptr = leaf.value.data_ptr()
     group.packed = True
 
 
 def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """A packed weight copied into storage of its own, with the strides it had before packing (channels_last,
+    """A packed leaf copied into storage of its own, with the strides it had before packing (channels_last,
     a transposed view's layout) where those describe a dense tensor; contiguous otherwise (expanded weights)."""
-    restored = torch.empty_strided(packed.shape, stride or packed.stride(), dtype=packed.dtype)
-    if restored.untyped_storage().nbytes() != packed.numel() * packed.element_size():
-        return packed.clone()
-    return restored.copy_(packed)
+    if not dense_layout(tuple(packed.shape), stride):
+        return packed.clone(memory_format=torch.contiguous_format)
+    return torch.empty_strided(packed.shape, stride, dtype=packed.dtype).copy_(packed)
+
+
+def _weight_layout(slot: Slot) -> tuple:
+    """What the passes need of one weight: each leaf's (bucket, shape, stride, offset), and whether the graph
+    rebuilds a subclass around them."""
+    return tuple((leaf.bucket, leaf.shape, leaf.stride, leaf.offset) for leaf in slot.leaves), slot.rebuild is not None
+
+
+def _subclass_note(group: Group) -> str:
+    """For `describe`: the group's subclass weights, which move as their inner tensors."""
+    kinds: dict[tuple[str, str], int] = {}
+    for slot in group.slots:
+        if slot.rebuild is not None:
+            placements = getattr(slot.tensor, "placements", None)  # a DTensor's sharding
+            kind = (slot.rebuild.cls.__name__, f" ({'/'.join(map(str, placements))})" if placements else "")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if not kinds:
+        return ""
+    return "  (inner tensors of " + ", ".join(f"{n} {name} weights{detail}"
+                                              for (name, detail), n in sorted(kinds.items())) + ")"
 
 
 class OffloadRuntime:
@@ -344,7 +416,8 @@ class OffloadRuntime:
         self.pinned = policy.pin_memory and self.device.type == "cuda"
         if policy.pin_memory and not self.pinned:
             log.debug("pin_memory ignored: compute device %s has no pinned host memory", self.device)
-        unpackable = overlapping([local_of(w.tensor) for spec in specs for w in spec.weights])
+        unpackable = overlapping([leaf_at(w.tensor, path) for spec in specs for w in spec.weights
+                                  for path in leaf_paths(w.tensor)])
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
         self.lock = threading.RLock()
         self.closed = False
@@ -356,10 +429,10 @@ class OffloadRuntime:
                 self._pack(group)
         self.group_of: dict[int, tuple[int, int]] = {
             id(slot.tensor): (g.index, si) for g in self.groups for si, slot in enumerate(g.slots)}
-        self.layout = {g.index: [(s.bucket, s.shape, s.offset) for s in g.slots] for g in self.groups}
-        # DTensor weights (tensor parallel): rebuilt in the graph around their fetched local shard
-        self.dtensor_specs = {(g.index, si): spec for g in self.groups for si, s in enumerate(g.slots)
-                              if (spec := dtensor_spec(s.tensor)) is not None}
+        self.layout = {g.index: [_weight_layout(s) for s in g.slots] for g in self.groups}
+        # tensor-subclass weights (quantized, DTensor): rebuilt in the graph around their fetched leaves
+        self.rebuild_specs = {(g.index, si): s.rebuild for g in self.groups for si, s in enumerate(g.slots)
+                              if s.rebuild is not None}
         self.graph_plans: list = []
         self.graph_calls = 0
         self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
@@ -499,16 +572,16 @@ class OffloadRuntime:
         return self._copy_stream
 
     def _refresh_host(self, group: Group) -> None:
-        """A weight whose ``.data`` was replaced since packing is copied back into the flat buffer."""
-        for slot in group.slots:
-            local = local_of(slot.tensor)
-            if local.data_ptr() != slot.host_ptr and group.buckets[slot.bucket].owner is None:
-                flat = group.buckets[slot.bucket].host
-                view = flat[slot.offset:slot.offset + slot.numel]
+        """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
+        flat buffer."""
+        for leaf in group.leaves:
+            value = leaf.value
+            if value.data_ptr() != leaf.host_ptr and group.buckets[leaf.bucket].owner is None:
+                view = leaf.host_view(group.buckets[leaf.bucket].host)
                 with torch.no_grad():
-                    view.copy_(local.detach().reshape(-1))
-                set_local(slot.tensor, view.view(slot.shape))
-                slot.host_ptr = local_of(slot.tensor).data_ptr()
+                    view.copy_(value.detach())
+                leaf.assign(view)
+                leaf.host_ptr = leaf.value.data_ptr()
 
     def prefetch(self, key: int, group: int, mode: int = FETCH) -> None:
         """FETCH: copy now; ADOPT: take the copy the previous call carried for ``key`` if still valid (same
@@ -591,9 +664,15 @@ class OffloadRuntime:
         remap = self.group_remap
         return group if remap is None else remap.get(group, group)
 
-    def _layout_signature(self, group: int) -> tuple:
-        return tuple((s.bucket, s.shape, s.offset) for s in self.groups[group].slots) + tuple(
-            (b.dtype, b.numel, b.owner is None) for b in self.groups[group].buckets)
+    def _same_layout(self, a: int, b: int) -> bool:
+        """Groups whose weights sit alike in buffers alike and are rebuilt alike: a graph of one runs the other."""
+        def signature(group: Group) -> tuple:
+            return (group.streamed, tuple(self.layout[group.index]),
+                    tuple((b.dtype, b.numel, b.owner is None) for b in group.buckets))
+        ga, gb = self.groups[a], self.groups[b]
+        return signature(ga) == signature(gb) and all(
+            sa.rebuild is None if sb.rebuild is None else sb.rebuild.matches(sa.rebuild)
+            for sa, sb in zip(ga.slots, gb.slots))
 
     def remap_between(self, passed: list, compiled_ids: tuple) -> dict[int, int] | None:
         """Group ids mapping the weights a graph was compiled with onto the weights it is called with, when
@@ -606,15 +685,14 @@ class OffloadRuntime:
                 return None
             if remap.setdefault(then[0], now[0]) != now[0]:
                 return None
-            if self.groups[then[0]].streamed != self.groups[now[0]].streamed or \
-                    self._layout_signature(then[0]) != self._layout_signature(now[0]):
+            if not self._same_layout(then[0], now[0]):
                 return None
         return remap
 
     @staticmethod
     def _stamp(group: Group) -> tuple:
         """Changes whenever a host weight of the group is modified in place or replaced."""
-        return tuple((local_of(s.tensor)._version, local_of(s.tensor).data_ptr()) for s in group.slots)
+        return tuple((leaf.value._version, leaf.value.data_ptr()) for leaf in group.leaves)
 
     def resident(self, group: int) -> list[torch.Tensor]:
         """The persistent device copy of a resident group (a slot of its own, outside the streamed pool),
@@ -690,9 +768,9 @@ class OffloadRuntime:
             for group in self.groups:
                 if not group.packed:
                     continue
-                for slot in group.slots:
-                    if group.buckets[slot.bucket].owner is None:
-                        set_local(slot.tensor, _own_copy(local_of(slot.tensor).detach(), slot.stride))
+                for leaf in group.leaves:
+                    if group.buckets[leaf.bucket].owner is None:
+                        leaf.assign(_own_copy(leaf.value.detach(), leaf.own_stride))
             self._registrations.unregister_all()  # before the buffers can be freed
             for group in self.groups:
                 for bucket in group.buckets:
@@ -720,13 +798,8 @@ class OffloadRuntime:
                  + (f" rank={torch.distributed.get_rank()}/{torch.distributed.get_world_size()} (bytes are this "
                     f"rank's)" if torch.distributed.is_available() and torch.distributed.is_initialized() else "")]
         for g in self.groups:
-            shards = [self.dtensor_specs[(g.index, si)] for si in range(len(g.slots)) if (g.index, si) in
-                      self.dtensor_specs]
-            placements = sorted({"/".join(str(p) for p in spec[1]) for spec in shards})
             lines.append(f"  group {g.index:3d} {g.name:<40s} {mib(g.nbytes)}  "
-                         f"{'streamed' if g.streamed else 'resident'}"
-                         + (f"  (local shards of {len(shards)} DTensor weights: {', '.join(placements)})"
-                            if shards else ""))
+                         f"{'streamed' if g.streamed else 'resident'}{_subclass_note(g)}")
         for i, plan in enumerate(self.graph_plans):
             v = plan.verified
             carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..distributed import local_of
+from ..subclasses import plain_leaves
 from .schedule import Use
 
 
@@ -40,7 +40,7 @@ def _value(node: fx.Node):
 
 def _storage(value) -> StorageWeakRef | None:
     if isinstance(value, torch.Tensor):
-        value = local_of(value)  # a DTensor aliases through its local shard
+        value = plain_leaves(value)[0]  # a subclass (quantized, DTensor) aliases through its first inner tensor
         try:
             return StorageWeakRef(value.untyped_storage())
         except (NotImplementedError, RuntimeError):

@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..distributed import from_local_slot, is_dtensor
+from ..subclasses import is_traceable_subclass, plain_leaves, rebuild_weight
 from .analysis import Reads, WeightInput, _value
 from .schedule import ADOPT, CARRY, FETCH, Schedule
 
@@ -34,32 +34,43 @@ class Rewritten:
     carry_keys: frozenset[int] = frozenset()  # fetch keys whose copies this graph prefetches for its next call
 
 
-Layout = dict[int, list[tuple[int, tuple[int, ...], int]]]  # group -> per weight slot (bucket, shape, offset)
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
+LeafLayout = tuple[int, tuple[int, ...], tuple[int, ...], int]  # bucket, shape, stride, offset
+# group -> per weight slot: its leaves (one for a plain weight; a subclass weight's inner tensors), and whether
+# the weight is a subclass rebuilt around them
+Layout = dict[int, list[tuple[tuple[LeafLayout, ...], bool]]]
 
 
 def _weight_views(graph: fx.Graph, fetched: fx.Node, group: int, slots: set[int], layout: Layout,
-                  runtime_id: int = 0, dtensors: frozenset = frozenset()) -> tuple[list[fx.Node], dict[int, fx.Node]]:
+                  runtime_id: int = 0) -> tuple[list[fx.Node], dict[int, fx.Node]]:
     """The fetch op's flat device buffers (one per dtype: separate allocations, so the op's outputs alias
-    nothing) and, over them, a view per weight slot this graph reads."""
-    n_buckets = 1 + max(bucket for bucket, _, _ in layout[group])
+    nothing) and, over them, the weight of each slot this graph reads: a view per leaf, and around a subclass
+    weight's leaves the subclass rebuilt (`rebuild_weight`: quantized weights, DTensors)."""
+    n_buckets = 1 + max(leaf[0] for leaves, _ in layout[group] for leaf in leaves)
     items = [graph.call_function(operator.getitem, (fetched, b)) for b in range(n_buckets)]
     views = {}
     for slot in sorted(slots):
-        bucket, shape, offset = layout[group][slot]
-        views[slot] = graph.call_function(torch.ops.aten.as_strided.default,
-                                          (items[bucket], list(shape), list(_contiguous_stride(shape)), offset))
-        if (group, slot) in dtensors:  # tensor parallel: the DTensor rebuilt around the fetched local shard
-            views[slot] = graph.call_function(from_local_slot, (views[slot], runtime_id, group, slot))
+        leaves, rebuilt = layout[group][slot]
+        leaf_views = [graph.call_function(torch.ops.aten.as_strided.default,
+                                          (items[bucket], list(shape), list(stride), offset))
+                      for bucket, shape, stride, offset in leaves]
+        views[slot] = (graph.call_function(rebuild_weight, (leaf_views, runtime_id, group, slot)) if rebuilt
+                       else leaf_views[0])
         views[slot].meta["offload_slot"] = (group, slot)
     return items, views
+
+
+def _plain_readers(graph: fx.Graph, leaves: list[fx.Node]) -> list[fx.Node]:
+    """The evict takes plain tensors: a reader whose value is a subclass (a DTensor result) is ordered through
+    its inner tensors (`plain_leaves`, no computation)."""
+    plain = []
+    for leaf in leaves:
+        value = _value(leaf)
+        if is_traceable_subclass(value):
+            parts = graph.call_function(plain_leaves, (leaf,))
+            plain.extend(graph.call_function(operator.getitem, (parts, i)) for i in range(len(plain_leaves(value))))
+        else:
+            plain.append(leaf)
+    return plain
 
 
 # views share their input's buffer, which the evict realizes in place; casts and copies would not
@@ -95,7 +106,7 @@ def needs_materializing(reader: fx.Node) -> bool:
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
                      reads: dict[tuple[fx.Node, int], list[Reads]], resident_groups: set[int],
                      runtime_id: int, layout: Layout, fetch_key, park: frozenset[int] = frozenset(),
-                     dtensors: frozenset = frozenset(), materialize_readers: bool = False) -> Rewritten:
+                     materialize_readers: bool = False) -> Rewritten:
     """``materialize_readers`` (inductor): later nodes read a copy (`ops.materialize`) of each streamed weight
     reader that inductor could re-compute after the evict, made right after the reader."""
     nodes = list(gm.graph.nodes)
@@ -135,7 +146,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
         for group in sorted(resident_groups & set(slots_in_graph)):
             buffers = graph.call_function(OPS.resident.default, (runtime_id, group))
             items, resident_views[group] = _weight_views(graph, buffers, group, slots_in_graph[group], layout,
-                                                         runtime_id, dtensors)
+                                                         runtime_id)
             slot_views.extend(items)
 
     def emit_prefetch(inst, mode: int) -> None:
@@ -167,7 +178,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
                                                              [last_prefetch] + evicts_since_wait))
             evicts_since_wait = []
             fetched[inst.index] = _weight_views(graph, buffers, inst.group, slots_in_graph[inst.group], layout,
-                                                runtime_id, dtensors)
+                                                runtime_id)
             slot_views.extend(fetched[inst.index][0])
         if node.op == "output":
             for index in carry_of.get(len(schedule.instances), []):
@@ -181,10 +192,8 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
         for inst in evicts_at.get(position, []):
             items, _ = fetched[inst.index]
             rs = [r for use in inst.uses for r in reads[use.key]]
-            leaves = list(dict.fromkeys(computed.get(leaf, env[leaf]) for r in rs for leaf in r.leaves))
-            if dtensors:  # the evict orders after a DTensor reader through its local shard (no communication)
-                leaves = [graph.call_method("to_local", (leaf,)) if is_dtensor(_value(leaf)) else leaf
-                          for leaf in leaves]
+            leaves = _plain_readers(graph, list(dict.fromkeys(computed.get(leaf, env[leaf])
+                                                              for r in rs for leaf in r.leaves)))
             parked = inst.index in park
             poison = not parked and not any(r.unordered for r in rs)
             token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves, parked))

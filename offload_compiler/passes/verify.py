@@ -10,6 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..subclasses import plain_leaves
 from .analysis import WeightInput, _storage, _value, readers
 from .schedule import ADOPT, CARRY, FETCH
 
@@ -33,10 +34,17 @@ class Verified:
 
 
 def _fetch_node(view: fx.Node) -> fx.Node:
-    node = view  # [from_local_slot(]getitem(fetch, slot)[)]
+    node = view  # [rebuild_weight(][as_strided(]getitem(fetch, bucket)...[)]
     while node.target is not operator.getitem:
-        node = node.args[0]
+        node = node.all_input_nodes[0]
     return node.args[0]
+
+
+def _reader_of(evict_input: fx.Node) -> fx.Node:
+    """An evict's input is a reader, or an inner tensor of a subclass-valued reader (getitem(plain_leaves(r), i))."""
+    if evict_input.target is operator.getitem and getattr(evict_input.args[0], "target", None) is plain_leaves:
+        return evict_input.args[0].args[0]
+    return evict_input
 
 
 def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes: dict[int, int]) -> Verified:
@@ -75,8 +83,7 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
                     position[r] > position[fetch] for r in found):
                 raise ScheduleError(f"{placeholder.name} is read before it is fetched")
             continue
-        ordered = {n.args[0] if n.op == "call_method" and n.target == "to_local" else n  # DTensor readers
-                   for n in evict.args[4]}
+        ordered = {_reader_of(n) for n in evict.args[4]}
         for reader in found:
             if not position[fetch] < position[reader] < position[evict]:
                 raise ScheduleError(f"{reader.format_node()} reads {placeholder.name} outside its fetch window")
