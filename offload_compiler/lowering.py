@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from .runtime import OffloadRuntime
+from .subclasses import plain_leaves
 
 OPS = torch.ops.offload_compiler
 
@@ -48,9 +49,11 @@ def _direct_calls(runtime: OffloadRuntime) -> dict:
             OPS.resident.default: (offload_resident, lambda a: (a[1],))}
 
 
-def _slot_index(layout: list[tuple[int, tuple[int, ...], int]]) -> dict[tuple, int]:
-    """(bucket, shape, offset) of a weight's view → its slot in the group (what the insert pass viewed)."""
-    return {(bucket, tuple(shape), offset): slot for slot, (bucket, shape, offset) in enumerate(layout)}
+def _leaf_index(layout: list[tuple[tuple, bool]]) -> dict[tuple, int]:
+    """(bucket, shape, stride, offset) of a leaf's view → its place in the group's leaves (what the insert pass
+    viewed; `DeviceSlot.views` makes them in this order)."""
+    leaves = [leaf for weight_leaves, _ in layout for leaf in weight_leaves]
+    return {(bucket, tuple(shape), tuple(stride), offset): i for i, (bucket, shape, stride, offset) in enumerate(leaves)}
 
 
 def lower_for_eager(gm: fx.GraphModule, runtime: OffloadRuntime, num_outputs: int) -> fx.GraphModule:
@@ -65,22 +68,35 @@ def lower_for_eager(gm: fx.GraphModule, runtime: OffloadRuntime, num_outputs: in
         with graph.inserting_before(node):
             direct = graph.call_function(fn, args_of(node.args))
         if node.target in (OPS.wait.default, OPS.resident.default):
-            _views_from_slot(node, direct, _slot_index(runtime.layout[node.args[1]]), gone)
+            _views_from_slot(node, direct, _leaf_index(runtime.layout[node.args[1]]), gone)
         gone.append(node)
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
     output.args = (tuple(results[:num_outputs if num_outputs >= 0 else 1]),)
+    orderings = {a for node in gone if node.target is OPS.evict.default for a in node.args[4]}
     for node in reversed(gone):  # erased consumers first: each has no users left by then
         for user in list(node.users):
             if user.target is operator.getitem and not user.users:
                 graph.erase_node(user)
         graph.erase_node(node)
+    _erase_unused_orderings(graph, orderings)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _views_from_slot(fetched: fx.Node, direct: fx.Node, slot_of: dict[tuple, int], gone: list[fx.Node]) -> None:
+def _erase_unused_orderings(graph: fx.Graph, nodes: set[fx.Node]) -> None:
+    """What the insert pass made only to order an evict after a subclass reader (its plain leaves), now unused."""
+    for node in [n for n in reversed(graph.nodes) if n in nodes]:
+        while not node.users and node.op == "call_function" and node.target in (operator.getitem, plain_leaves):
+            source = node.args[0]
+            graph.erase_node(node)
+            node = source if isinstance(source, fx.Node) else None
+            if node is None:
+                break
+
+
+def _views_from_slot(fetched: fx.Node, direct: fx.Node, leaf_of: dict[tuple, int], gone: list[fx.Node]) -> None:
     """Each ``as_strided`` over one of the fetch's flat buffers reads the slot's ready-made view instead."""
     for item in list(fetched.users):
         if item.target is not operator.getitem:
@@ -89,9 +105,10 @@ def _views_from_slot(fetched: fx.Node, direct: fx.Node, slot_of: dict[tuple, int
         for view in list(item.users):
             if view.target is not torch.ops.aten.as_strided.default:
                 continue
-            _, shape, _, offset = view.args
+            _, shape, stride, offset = view.args
             with fetched.graph.inserting_before(view):
-                made = fetched.graph.call_function(operator.getitem, (direct, slot_of[(bucket, tuple(shape), offset)]))
+                made = fetched.graph.call_function(operator.getitem,
+                                                   (direct, leaf_of[(bucket, tuple(shape), tuple(stride), offset)]))
             made.meta.update(view.meta)
             view.replace_all_uses_with(made)
             fetched.graph.erase_node(view)

@@ -200,13 +200,13 @@ class DeviceSlot:
         return self._buffers
 
     def views(self, group: "Group") -> tuple[torch.Tensor, ...]:
-        """Each weight of ``group`` as a view over this slot's buffers (the views the insert pass describes),
-        made at the first use and the same tensors on every call."""
+        """Each leaf of ``group`` (`Group.leaves`) as a view over this slot's buffers (the views the insert pass
+        describes), made at the first use and the same tensors on every call."""
         made = self._views.get(group.index)
         if made is None:
             buffers = self.buffers
             made = self._views[group.index] = tuple(
-                buffers[s.bucket][s.offset:s.offset + s.numel].view(s.shape) for s in group.slots)
+                leaf.host_view(buffers[leaf.bucket]) for leaf in group.leaves)
         return made
 
     def poison(self) -> None:
