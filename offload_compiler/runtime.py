@@ -147,8 +147,8 @@ class Group:
     def nbytes(self) -> int:  # the buckets' sizes are fixed by layout_group
         return sum(b.nbytes for b in self.buckets)
 
-    @property
-    def leaves(self) -> list[Leaf]:
+    @functools.cached_property
+    def leaves(self) -> list[Leaf]:  # fixed by layout_group
         return [leaf for slot in self.slots for leaf in slot.leaves]
 
 
@@ -574,9 +574,9 @@ class OffloadRuntime:
     def _refresh_host(self, group: Group) -> None:
         """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
         flat buffer."""
-        for leaf in group.leaves:
+        for leaf in [leaf for leaf in group.leaves if leaf.value.data_ptr() != leaf.host_ptr]:
             value = leaf.value
-            if value.data_ptr() != leaf.host_ptr and group.buckets[leaf.bucket].owner is None:
+            if group.buckets[leaf.bucket].owner is None:
                 view = leaf.host_view(group.buckets[leaf.bucket].host)
                 with torch.no_grad():
                     view.copy_(value.detach())
