@@ -31,7 +31,8 @@ def _clip(hidden: int, projection: int | None = None, seed: int = 0) -> torch.nn
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
     torch.manual_seed(seed)
     config = CLIPTextConfig(vocab_size=_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                            num_attention_heads=2, max_position_embeddings=16, projection_dim=projection or hidden)
+                            num_attention_heads=2, max_position_embeddings=16, projection_dim=projection or hidden,
+                            pad_token_id=0, bos_token_id=2, eos_token_id=3)
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
@@ -39,7 +40,8 @@ def _t5(d_model: int, seed: int = 0) -> torch.nn.Module:
     from transformers import T5Config, T5EncoderModel
     torch.manual_seed(seed)
     return T5EncoderModel(T5Config(vocab_size=_VOCAB, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
-                                   num_heads=2, relative_attention_num_buckets=8)).eval()
+                                   num_heads=2, relative_attention_num_buckets=8, pad_token_id=0,
+                                   eos_token_id=3, decoder_start_token_id=0)).eval()
 
 
 def _vae(latent_channels: int, seed: int = 0, **fields: Any) -> torch.nn.Module:
