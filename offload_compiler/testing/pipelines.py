@@ -69,7 +69,8 @@ def sd3_pipeline(seed: int = 0, t5: bool = False) -> tuple[Any, dict]:
     torch.manual_seed(seed)
     transformer = SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
                                         num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
-                                        pooled_projection_dim=32, out_channels=4).eval()
+                                        pooled_projection_dim=32, out_channels=4,
+                                        pos_embed_max_size=8).eval()
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(4, seed, shift_factor=0.06),
         text_encoder=_clip(16, 16, seed + 1), tokenizer=tokenizer(), text_encoder_2=_clip(16, 16, seed + 2),
