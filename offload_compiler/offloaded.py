@@ -572,7 +572,7 @@ class _InferenceOnlyOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return value.view_as(value)
+        return value.detach()  # the same storage, not a view: in-place changes stay allowed
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:

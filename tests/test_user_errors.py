@@ -60,6 +60,9 @@ def test_backward_through_an_offloaded_model_says_inference_only_and_names_the_f
     with pytest.raises(RuntimeError, match=r"runs inference only.*torch\.no_grad\(\).*remove_offload\(m\)"):
         y.sum().backward()
     assert all(p.grad is None for p in m.parameters())
+    z = m(x)
+    z += 1  # in place, as on the plain model's output
+    assert torch.equal(z.detach(), expected + 1)
     with torch.inference_mode():
         assert not m(x).requires_grad
     _still_whole(m, x, expected, snapshot)
