@@ -5,12 +5,15 @@
   recompile limit), so an offloaded call can notice that part of its model ran eagerly.
 - `model_error`: the model's own exception under dynamo's ``TorchRuntimeError`` wrapper.
 - `traced_module`: the module whose frame dynamo is compiling, found from a weight's source name.
+- `static_shapes`, `symbolic_sizes`, `user_frame`: a model error traced with symbolic sizes (``s27``) traced
+  again with the call's own sizes, and the line of the model's code that failed.
 - `recompile_limits`: a config patch raising dynamo's recompile limits (made once per model: torch keeps a
   ContextVar per patch object).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Any
@@ -36,6 +39,42 @@ def skipped_frames() -> int:
 
 def recompile_limits():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT)
+
+
+_SYMBOL = re.compile(r"\b[su]\d+\b")
+
+
+def symbolic_sizes(message: str) -> bool:
+    """Whether an error message shows dynamo's symbolic sizes (``s27``) instead of numbers."""
+    return bool(_SYMBOL.search(message))
+
+
+def static_shapes():
+    """Trace with the call's own sizes (no automatic dynamic shapes): errors then show numbers."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+
+
+def user_frame(exc: BaseException) -> str | None:
+    """``file.py:10 in forward: x = self.proj(x)``: the innermost line of the model's code that dynamo's report
+    (``from user code:``) names, outside torch itself."""
+    seen, found = set(), None
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if "from user code:" in text:
+            lines = text.split("from user code:", 1)[1].splitlines()
+            for i, line in enumerate(lines):
+                match = _FRAME.match(line)
+                if match and f"{os.sep}torch{os.sep}" not in match.group(1):
+                    code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+                    found = f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}: {code}"
+            if found:
+                return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
 def is_tracing_error(exc: BaseException) -> bool:

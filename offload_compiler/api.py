@@ -12,7 +12,7 @@ from ._dynamo import compiled_module_of
 from .planning import auto
 from .planning.auto import OffloadPlan
 from .offloaded import OffloadState, OffloadedModule, detach, offload_module, offload_pipeline, state_of
-from .policy import COMPONENT_STRATEGIES, OffloadPolicy
+from .policy import OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
 __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload_stats", "release_device_copies",
@@ -22,8 +22,10 @@ __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload
 def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: Any) -> Any:
     """Offload ``model``'s weights to host memory, in place, and run it through graphs with explicit transfers.
 
-    ``model`` is an nn.Module — returned, now an `OffloadedModule` — or, for the component strategies, a
-    pipeline object whose components are nn.Module attributes (returned, its components offloaded)."""
+    ``model`` is an nn.Module — returned, now an `OffloadedModule` — or a pipeline object whose components
+    are nn.Module attributes (a diffusers pipeline; returned, its components offloaded). On a pipeline,
+    ``layerwise``/``budget``/``auto`` stream its encoders and denoisers block by block and keep the other
+    components (the VAE) on the device; the component strategies alternate its denoisers and encoders."""
     if policy is None:
         policy = OffloadPolicy(**fields)
     elif fields:
@@ -37,10 +39,9 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
     if isinstance(model, nn.Module):
         offload_module(model, policy)
         return model
-    if policy.strategy not in COMPONENT_STRATEGIES + ("sequential",):
-        raise TypeError(f"offload_compile takes an nn.Module; a pipeline object ({type(model).__name__}) works "
-                        f"with strategy 'model', 'alternating' or 'sequential' (or offload its denoiser: "
-                        f"offload_compile(pipe.transformer, policy))")
+    if policy.strategy == "none":
+        raise TypeError(f"strategy='none' keeps every weight on the device: for a pipeline object "
+                        f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
     offload_pipeline(model, policy)
     return model
 

@@ -14,6 +14,9 @@ SUB_COMPONENTS = ("visual", "audio_tower", "language_model")
 # the denoisers of diffusers pipelines (DiT or UNet, Wuerstchen/Kandinsky's prior) and of omni DiT stages
 DIT_MODULES = ("transformer", "transformer_2", "unet", "unet_2", "prior", "dit", "language_model", "transformer_blocks")
 ENCODER_MODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+# methods other than ``forward`` that callers use to run a component (diffusers VAEs, CLIP-style encoders): an
+# offloaded module that has them runs them through its offloaded graphs as it runs ``forward``
+ENTRY_METHODS = ("encode", "decode", "get_text_features", "get_image_features")
 
 
 def _holds_weights(module: nn.Module) -> bool:
@@ -100,3 +103,16 @@ def component_of(name: str, components: list[str]) -> str | None:
         if name.startswith(path + ".") and (best is None or len(path) > len(best)):
             best = path
     return best
+
+
+def pipeline_streamed(model: nn.Module, name: str) -> list[str]:
+    """The components of a pipeline (the children of ``model``) streamed under the block strategies
+    (layerwise, budget, auto): its encoders, then its denoisers. Every other component (the VAE, a safety
+    checker) stays on the compute device. None found: an error listing the components."""
+    children = [name for name, module in model.named_children() if _holds_weights(module)]
+    streamed = [n for n in children if n in ENCODER_MODULES] + [n for n in children if n in DIT_MODULES]
+    if not streamed:
+        raise ValueError(f"{name} has none of the denoisers {list(DIT_MODULES)} or encoders "
+                         f"{list(ENCODER_MODULES)} that the block strategies stream; its components are {children}. "
+                         f"Offload a component on its own: offload_compile(pipe.<component>, policy)")
+    return streamed

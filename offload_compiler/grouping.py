@@ -242,6 +242,45 @@ def _component_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Wei
     return [GroupSpec(path, tuple(ws), True, False, exclusive) for path, ws in keyed.items() if ws]
 
 
+def component_block_groups(model: nn.Module, paths: list[str], policy: OffloadPolicy,
+                           planned: dict[str, list[GroupSpec]] | None = None) -> list[GroupSpec]:
+    """Groups of a pipeline under the block strategies: each component of ``paths`` grouped block by block
+    as a model of its own (one group where it has no blocks), or as ``planned`` gives its groups, named by
+    its path in ``model``; ``budget`` then chooses what streams over all of them, in ``paths`` order. Weights
+    outside ``paths`` are in no group (they live on the compute device). ``blocks_attr`` paths name the
+    component they start with."""
+    groups: list[GroupSpec] = []
+    seen: set[int] = set()
+    for path in paths:
+        component = model.get_submodule(path)
+        own = policy.replace(strategy="layerwise", offload_gb=None, device_budget_gb=None,
+                             blocks_attr=blocks_attr_within(policy.blocks_attr, path))
+        specs = (planned or {}).get(path) or (plan_groups(component, own) if block_paths(component, own)
+                                              else _whole(component, own))
+        for spec in specs:
+            weights = tuple(Weight(f"{path}.{w.name}", w.tensor, w.is_buffer) for w in spec.weights
+                            if id(w.tensor) not in seen)
+            seen.update(id(w.tensor) for w in weights)
+            if weights:
+                name = path if spec.name == ROOT else f"{path}.{spec.name}"
+                groups.append(dataclasses.replace(spec, name=name, weights=weights))
+    return choose_streamed(groups, policy)
+
+
+def _whole(component: nn.Module, policy: OffloadPolicy) -> list[GroupSpec]:
+    weights = [w for w in collect_weights(component) if policy.offload_buffers or not w.is_buffer]
+    check_movable(weights)
+    return [GroupSpec(ROOT, tuple(weights), True, False)]
+
+
+def blocks_attr_within(blocks_attr: str | tuple[str, ...] | None, path: str) -> tuple[str, ...] | None:
+    if blocks_attr is None:
+        return None
+    paths = (blocks_attr,) if isinstance(blocks_attr, str) else tuple(blocks_attr)
+    inside = tuple(p[len(path) + 1:] for p in paths if p.startswith(path + "."))
+    return inside or None
+
+
 def _by_key(weights: list[Weight], key, is_block: bool) -> list[GroupSpec]:
     keyed: dict[str, list[Weight]] = {}
     for w in weights:

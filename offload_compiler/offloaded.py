@@ -25,6 +25,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
+import logging
+import sys
 import threading
 import warnings
 from typing import Any, Iterator
@@ -35,10 +38,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ._dynamo import compiled_module_of, is_tracing_error, model_error, recompile_limits, skipped_frames, \
-    traced_module
-from .planning.auto import OffloadPlan, plan_offload, planned_runtime
+    static_shapes, symbolic_sizes, traced_module, user_frame
+from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
+from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
-from .grouping import plan_groups
+from .components import DIT_MODULES, ENTRY_METHODS, pipeline_streamed
+from .grouping import blocks_attr_within, component_block_groups, plan_groups
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime
 
@@ -55,14 +60,24 @@ class OffloadState:
     policy: OffloadPolicy
     runtime: OffloadRuntime | None = None
     plan: OffloadPlan | None = None
+    modules: nn.Module | None = None  # the model, or a pipeline's components seen as one (`PipelineModules`)
     classes: list = dataclasses.field(default_factory=list)  # (module, its class before offloading)
-    forwards: dict = dataclasses.field(default_factory=dict)  # module -> its _OffloadedForward
+    forwards: dict = dataclasses.field(default_factory=dict)  # (module, method name) -> its _OffloadedForward
     watched: dict = dataclasses.field(default_factory=dict)  # module -> its own hook dicts (watched copies in use)
     hooked: list = dataclasses.field(default_factory=list)  # (a module's own hook dict, its size) where not empty
+    unplanned: list = dataclasses.field(default_factory=list)  # auto on a pipeline: denoisers planned at their first call
+    plans: dict = dataclasses.field(default_factory=dict)  # auto on a pipeline: denoiser path -> its plan
+    refusers: dict = dataclasses.field(default_factory=dict)  # module -> [(submodule, _Refuse)] (see guarding)
+    guarded: list = dataclasses.field(default_factory=list)  # the refusers installed now
+    routing: int = 0  # depth of offloaded calls (and captures) running now
     refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     limits: Any = dataclasses.field(default_factory=recompile_limits)
+
+    def __post_init__(self) -> None:
+        if self.modules is None and isinstance(self.owner, nn.Module):
+            self.modules = self.owner
 
     @property
     def name(self) -> str:
@@ -78,15 +93,67 @@ class OffloadState:
 
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
-        """While our own graph is captured or run, dynamo traces into the installed forwards."""
-        saved = [(module, module.__dict__.get("forward")) for module in self.forwards]
-        for module, forward in self.forwards.items():
-            module.__dict__["forward"] = forward.through
+        """While our own graph is captured or run, dynamo traces into the installed forwards (and nothing is
+        refused: the graph fetches what it reads)."""
+        saved = [(key, key[0].__dict__.get(key[1])) for key in self.forwards]
+        for (module, method), forward in self.forwards.items():
+            module.__dict__[method] = forward.through
+        lifted = self._set_refusers(()) if self.guarded else None
+        self.routing += 1
         try:
             yield
         finally:
-            for module, previous in saved:
-                module.__dict__["forward"] = previous
+            self.routing -= 1
+            for (module, method), previous in saved:
+                module.__dict__[method] = previous
+            if lifted is not None:
+                self._set_refusers(lifted)
+
+    @contextlib.contextmanager
+    def guarding(self, module: nn.Module, method: str) -> Iterator[None]:
+        """Around a public method of an offloaded module that offload_compiler does not route (anything but
+        ``forward`` and `ENTRY_METHODS`), called from Python: the modules holding its offloaded weights
+        refuse to run (they would read host memory), while the routed forwards it calls run as usual."""
+        with self.lock:
+            if self.routing or self.guarded or self.runtime is None:
+                yield
+                return
+            self._set_refusers(self._refusers_of(module, method))
+            try:
+                yield
+            finally:
+                self._set_refusers(())
+
+    def _set_refusers(self, refusers: Any) -> list:
+        """Install ``refusers`` as the forwards of their modules (removing those installed now); returns
+        the ones removed."""
+        removed = self.guarded
+        for sub, refuser in removed:
+            if sub.__dict__.get("forward") is refuser:
+                del sub.__dict__["forward"]
+        self.guarded = list(refusers)
+        for sub, refuser in self.guarded:
+            sub.__dict__["forward"] = refuser
+        return removed
+
+    def _refusers_of(self, module: nn.Module, method: str) -> list:
+        if module not in self.refusers:
+            root = self.modules
+            path = _path_of(self, module)
+            routed = {m for m, _ in self.forwards}
+            owners = {slot.name.rsplit(".", 1)[0] if "." in slot.name else "" for g in self.runtime.groups
+                      for slot in g.slots}
+            found = []
+            for owner in sorted(owners):
+                if path and owner != path and not owner.startswith(path + "."):
+                    continue
+                sub = root.get_submodule(owner)
+                if sub not in routed and "forward" not in sub.__dict__:
+                    found.append((sub, _Refuse(self, module, owner)))
+            self.refusers[module] = found
+        for _, refuser in self.refusers[module]:
+            refuser.method = method
+        return self.refusers[module]
 
     def plan_now(self, args: tuple, kwargs: dict) -> OffloadPlan:
         """``auto``: plan from this call of the whole model (nothing runs), then build the runtime and the
@@ -99,6 +166,66 @@ class OffloadState:
             self.plan = plan
             install_forwards(model, self)
         return self.plan
+
+    def plan_component(self, path: str, args: tuple, kwargs: dict) -> None:
+        """``auto`` on a pipeline: plan denoiser ``path`` from this, its first call (nothing runs), within its
+        share of the budget, then rebuild the runtime with the planned groups (the graphs compiled so far,
+        the encoders', are compiled again at their next call)."""
+        module = self.modules.get_submodule(path)
+        share = self._component_budget()
+        policy = _within(self.policy, path).replace(device_budget_gb=share / GIB)
+        try:
+            with self.tracing_through():
+                plan = plan_offload(module, policy, *args, **kwargs)
+        except InfeasibleBudgetError as error:
+            error.add_note(f"(the budget above is {path}'s share of {self.name}'s device_budget_gb: what the "
+                           f"components kept on the device and the encoders' streaming window leave)")
+            raise
+        plan.model_name = f"{self.name}.{path}"
+        self.plans[path] = plan
+        self.plan = self.plan or plan
+        self.unplanned.remove(path)
+        self.runtime.unpack()
+        self.runtime = pipeline_runtime(self.modules, self.policy, self.name, self.plans)
+        self.refusers.clear()
+        for forward in self.forwards.values():
+            forward.recompile()
+
+    def _component_budget(self) -> int:
+        """A denoiser's share of ``device_budget_gb``: what the components kept on the device (the VAE) and
+        the encoders' streaming window leave, split between the denoisers."""
+        budget, source = resolve_budget(self.policy)
+        runtime = self.runtime
+        kept = 0 if self.policy.device_budget_gb == "free" else runtime.unmanaged_bytes  # "free" counts them already
+        denoisers = [p for p in self.plans] + self.unplanned
+        encoders = [g.nbytes for g in runtime.groups if g.name.split(".", 1)[0] not in denoisers]
+        window = (self.policy.prefetch + 1) * max(encoders, default=0)
+        share = (budget - kept - window) // max(len(denoisers), 1)
+        if share <= 0:
+            raise InfeasibleBudgetError(
+                f"{source} leaves nothing for {self.name}'s denoisers: {kept} B stay on the device (the VAE and other "
+                f"components) and the encoders stream {window} B at a time; raise device_budget_gb",
+                needed_bytes=kept + window + 1, budget_bytes=budget)
+        return share
+
+
+class _Refuse:
+    """The forward of a module holding offloaded weights while an un-routed method of its model runs."""
+
+    def __init__(self, state: OffloadState, module: nn.Module, owner: str) -> None:
+        self._state, self._module, self._owner = state, module, owner
+        self.method = "?"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state, module = self._state, self._module
+        path = _path_of(state, module)
+        where = f"{state.name}{'.' + path if path and path != self._owner else ''}"
+        routed = sorted({m for (mod, m) in state.forwards if mod is module})
+        raise RuntimeError(
+            f"{where}.{self.method}() ran the offloaded module {self._owner or '(root)'} directly from Python, outside "
+            f"the offloaded graphs: its weights live in host memory and would be read there. offload_compiler routes "
+            f"{', '.join(f'{m}()' for m in routed) or 'forward()'} of {type(module).__name__} through its offloaded "
+            f"graphs: call those, or run the module un-offloaded (remove_offload(m))")
 
 
 def state_of(obj: Any) -> OffloadState | None:
@@ -185,9 +312,35 @@ _CLASSES: dict[type, type] = {}
 def _offloaded_class(cls: type) -> type:
     if cls not in _CLASSES:
         # the model's own name in messages, plans and repr; isinstance(m, OffloadedModule) tells it is offloaded
-        _CLASSES[cls] = type(cls.__name__, (OffloadedModule, cls),
-                             {"__module__": cls.__module__, "__qualname__": f"Offloaded[{cls.__qualname__}]"})
+        namespace = {"__module__": cls.__module__, "__qualname__": f"Offloaded[{cls.__qualname__}]"}
+        _CLASSES[cls] = type(cls.__name__, (OffloadedModule, cls), {**_guarded_methods(cls), **namespace})
     return _CLASSES[cls]
+
+
+def _guarded_methods(cls: type) -> dict[str, Any]:
+    """The class's public methods that offload_compiler does not route (not nn.Module's, not ``forward``, not
+    `ENTRY_METHODS`), each wrapped by `OffloadState.guarding`."""
+    skip = set(dir(OffloadedModule)) | set(ENTRY_METHODS)
+    wrapped = {}
+    for name in dir(cls):
+        function = inspect.getattr_static(cls, name, None)
+        if not name.startswith("_") and name not in skip and inspect.isfunction(function):
+            wrapped[name] = _guarded(name, function)
+    return wrapped
+
+
+def _guarded(name: str, function: Any) -> Any:
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # our capture traces through (what it reads, it fetches)
+            return function(self, *args, **kwargs)
+        state = self.__dict__.get(STATE_ATTR)
+        if state is None:
+            return function(self, *args, **kwargs)
+        with state.guarding(self, name):
+            return function(self, *args, **kwargs)
+    method.__name__, method.__qualname__, method.__doc__ = name, function.__qualname__, function.__doc__
+    method.__wrapped__ = function
+    return method
 
 
 class _WatchedHooks(collections.OrderedDict):
@@ -230,16 +383,22 @@ def _unwatch_hooks(module: nn.Module, originals: list[dict]) -> None:
 # -- forwards ------------------------------------------------------------------------------------------------
 
 class _OffloadedForward:
-    """A module's forward while its model is offloaded: runs the module's own offloaded graph. ``must_graph``:
-    a call that ran no offloaded graph is an error (dynamo fell back to eager)."""
+    """A module's forward (or another entry method, `ENTRY_METHODS`) while its model is offloaded: runs the
+    module's own offloaded graph. ``must_graph``: a call that ran no offloaded graph is an error (dynamo fell
+    back to eager)."""
 
-    def __init__(self, module: nn.Module, state: OffloadState, must_graph: bool) -> None:
+    def __init__(self, module: nn.Module, state: OffloadState, must_graph: bool, method: str = "forward") -> None:
         self._state = state
         self._must_graph = must_graph
         self._root = module is state.owner
+        self._method = method
         self._warned_inputs = False
-        self.forward = type(module).forward.__get__(module)
+        self.forward = getattr(type(module), method).__get__(module)
         self.through = _TraceThrough(self)
+        self._compiled = None
+
+    def recompile(self) -> None:
+        """The runtime was rebuilt (``auto`` planned a pipeline's denoiser): compile again at the next call."""
         self._compiled = None
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
@@ -251,11 +410,16 @@ class _OffloadedForward:
                     raise RuntimeError(f"strategy='auto' plans from a call of the whole {state.name}: call the "
                                        f"model (or m.plan(...)) once before calling its parts on their own")
                 state.plan_now(args, kwargs)
+            elif state.unplanned:
+                path = _path_of(state, self.forward.__self__)
+                if path in state.unplanned:
+                    state.plan_component(path, args, kwargs)
             runtime = state.runtime
             args, kwargs = self._inputs_on_device(args, kwargs, runtime.device)
             calls, skipped = runtime.graph_calls, skipped_frames()
             runtime.used_groups.clear()
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
+            grad = torch.is_grad_enabled()
             with torch.no_grad(), state.limits, state.tracing_through(), measure:
                 out = self._run(runtime, args, kwargs)
             if runtime.graph_calls == calls and (self._must_graph or any(g.streamed for g in runtime.groups)):
@@ -265,7 +429,11 @@ class _OffloadedForward:
                     f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
             if skipped_frames() != skipped:
                 self._check_no_eager_reads(state, runtime)
-        return out
+        return _inference_only(out) if grad and self._trainable() else out
+
+    def _trainable(self) -> bool:
+        """The plain module's outputs would require grad (grad mode on, a weight that requires grad)."""
+        return any(p.requires_grad for p in self.forward.__self__.parameters())
 
     def _check_no_eager_reads(self, state: OffloadState, runtime: OffloadRuntime) -> None:
         """Dynamo ran part of this call without a graph (a frame with a graph break inside a loop, or past its
@@ -300,9 +468,32 @@ class _OffloadedForward:
             error = model_error(exc) if is_tracing_error(exc) else None
             if error is None:
                 raise
-            error.add_note(f"(raised while tracing the offloaded model with fake tensors: {exc.args[0]})"
-                           if exc.args else "(raised while tracing the offloaded model)")
-            raise error from None  # the model's own error (bad shapes), not dynamo's report of it
+            if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes
+                try:
+                    with static_shapes():
+                        return self._compiled(*args, **kwargs)
+                except Exception as again:
+                    static_error = model_error(again) if is_tracing_error(again) else None
+                    if static_error is not None:
+                        exc, error = again, static_error
+            raise self._input_error(error, exc, args, kwargs) from None
+
+    def _input_error(self, error: BaseException, exc: BaseException, args: tuple, kwargs: dict) -> BaseException:
+        """The model's own error while tracing it (a wrong input shape), short: the module and method, the
+        inputs it was given, what failed and where. Dynamo's full report is the error's ``offload_trace``."""
+        state, module = self._state, self.forward.__self__
+        path = _path_of(state, module)
+        call = f"{state.name}{'.' + path if path else ''}.{self._method}({_describe_inputs(self.forward, args, kwargs)})"
+        text = str(error).strip()
+        what = text.splitlines()[0].rstrip(".") if text else type(error).__name__
+        line = user_frame(exc)
+        try:
+            short = type(error)(f"{call} failed: {what}{f' (at {line})' if line else ''}. Check the inputs against "
+                                f"what {type(module).__name__}.{self._method} expects; the model is unchanged")
+        except Exception:  # an exception type with other arguments: the model's own error as raised
+            short = error
+        short.offload_trace = exc
+        return short
 
     def _inputs_on_device(self, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
         """Tensor inputs elsewhere than the compute device are moved there (warned once); data-less (meta)
@@ -346,9 +537,73 @@ class _TraceThrough:
 
 
 def _path_of(state: OffloadState, module: nn.Module) -> str:
-    """The dotted path of ``module`` in the offloaded model ("" for a pipeline's component: every group)."""
-    root = state.owner if isinstance(state.owner, nn.Module) else nn.Module()
+    """The dotted path of ``module`` in the offloaded model (or among a pipeline's components)."""
+    root = state.modules if state.modules is not None else nn.Module()
     return next((name for name, sub in root.named_modules() if sub is module), "")
+
+
+def _describe_inputs(function: Any, args: tuple, kwargs: dict) -> str:
+    """``x=Tensor[2, 5] float32, scale=2.0``: the inputs of a failed call, by parameter name where known."""
+    try:
+        named = dict(inspect.signature(function).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        named = {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+
+    def show(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"Tensor[{', '.join(map(str, value.shape))}] {str(value.dtype).replace('torch.', '')}"
+        tensors = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+        if tensors:
+            return f"{type(value).__name__} of {len(tensors)} tensors ({', '.join(show(t) for t in tensors[:3])}" \
+                   f"{', ...' if len(tensors) > 3 else ''})"
+        text = repr(value)
+        return text if len(text) <= 40 else f"{type(value).__name__}(...)"
+    return ", ".join(f"{name}={show(value)}" for name, value in named.items() if value is not None)
+
+
+INFERENCE_ONLY = ("offload_compiler runs inference only: there is no backward through an offloaded model (its "
+                  "weights are streamed, not kept for autograd). Call it under torch.no_grad() or "
+                  "torch.inference_mode(), or train the model un-offloaded: remove_offload(m)")
+
+
+class _InferenceOnlyOutput(torch.autograd.Function):
+    """An offloaded model's output where the plain model's would require grad: the same values, with a
+    backward that says why there is none."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.detach()  # the same storage, not a view: in-place changes stay allowed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise RuntimeError(INFERENCE_ONLY)
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)  # gives the outputs a grad_fn; never receives a gradient
+
+
+def _inference_only(out: Any) -> Any:
+    def mark(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            return _InferenceOnlyOutput.apply(_ANCHOR, value)
+        return value
+    return pytree.tree_map(mark, out)
+
+
+class _QuietOwnErrors(logging.Filter):
+    """Fake tensors log (to stderr) every op that fails while dynamo traces; inside an offloaded call such a
+    failure becomes one short error (`_OffloadedForward._input_error`), so its log record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        frame = sys._getframe()
+        while frame is not None:
+            if frame.f_code is _OffloadedForward._call.__code__:
+                return False
+            frame = frame.f_back
+        return True
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietOwnErrors())
 
 
 def _group_names(state: OffloadState, model: nn.Module) -> list[str]:
@@ -377,26 +632,38 @@ def _has_forward(model: nn.Module, name: str) -> bool:
 
 
 def _component_names(state: OffloadState, model: nn.Module) -> list[str]:
-    """Components (alternating, model, sequential over named components) are called on their own (a thinker's
-    output feeds a talker, a pipeline calls its text encoder): each runs a graph of its own."""
+    """Components are called on their own (a thinker's output feeds a talker, a pipeline calls its text
+    encoder, then its denoiser, then its VAE's ``decode``): each runs a graph of its own. A pipeline's
+    components are those holding groups; a model's, those of the component strategies (alternating, model,
+    sequential over named components)."""
     policy = state.policy
-    if state.runtime is None or not (policy.strategy in COMPONENT_STRATEGIES or (
-            policy.strategy == "sequential" and policy.components is not None)):
+    if state.runtime is None:
+        return []
+    if state.owner is not model:  # a pipeline
+        holding = {g.name.split(".", 1)[0] for g in state.runtime.groups}
+        return [name for name, _ in model.named_children() if name in holding and _has_forward(model, name)]
+    if not (policy.strategy in COMPONENT_STRATEGIES or (policy.strategy == "sequential" and policy.components is not None)):
         return []
     return [g.name for g in state.runtime.groups if g.name not in ("", "(root)") and _has_forward(model, g.name)]
 
 
+def _entry_methods(module: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name in ENTRY_METHODS if inspect.isfunction(inspect.getattr_static(type(module), name, None)))
+
+
 def install_forwards(model: nn.Module, state: OffloadState) -> None:
-    """The model's forward (unless it is a pipeline's stand-in), its groups' containers' and its components'."""
+    """The model's forward and entry methods (unless it is a pipeline's stand-in), its groups' containers'
+    forwards, and its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``)."""
     names = _group_names(state, model)
-    wanted = ([(model, True)] if model is state.owner else []) + \
-        [(model.get_submodule(n), True) for n in _containers_of_groups(model, names)] + \
-        [(model.get_submodule(n), False) for n in _component_names(state, model)]
-    for module, must_graph in wanted:
-        if module not in state.forwards:
-            forward = _OffloadedForward(module, state, must_graph)
-            state.forwards[module] = forward
-            module.__dict__["forward"] = forward
+    wanted = [(model, True, True)] if model is state.owner else []
+    wanted += [(model.get_submodule(n), True, False) for n in _containers_of_groups(model, names)]
+    wanted += [(model.get_submodule(n), False, True) for n in _component_names(state, model)]
+    for module, must_graph, entries in wanted:
+        for method in ("forward",) + (_entry_methods(module) if entries else ()):
+            if (module, method) not in state.forwards:
+                forward = _OffloadedForward(module, state, must_graph, method)
+                state.forwards[(module, method)] = forward
+                module.__dict__[method] = forward
 
 
 # -- in place: attach and detach ------------------------------------------------------------------------------
@@ -437,13 +704,48 @@ class PipelineModules(nn.Module):
             self.add_module(name, module)
 
 
+BLOCK_STRATEGIES = ("layerwise", "budget", "auto")
+
+
 def offload_pipeline(pipeline: Any, policy: OffloadPolicy) -> OffloadState:
+    """A pipeline object: under the block strategies its encoders and denoisers are streamed block by block
+    and the other components (the VAE) live on the compute device (`pipeline_runtime`); ``auto`` plans each
+    denoiser at its first call. Under the component strategies and ``sequential``, its components are grouped
+    as one model's."""
     modules = PipelineModules(pipeline)
-    state = OffloadState(pipeline, policy, build_runtime(modules, policy))
-    state.runtime.model_name = type(pipeline).__name__
+    name = type(pipeline).__name__
+    unplanned = []
+    if policy.strategy in BLOCK_STRATEGIES:
+        runtime = pipeline_runtime(modules, policy, name, {})
+        if policy.strategy == "auto":
+            unplanned = [path for path in pipeline_streamed(modules, name) if path in DIT_MODULES]
+    else:
+        runtime = build_runtime(modules, policy)
+        runtime.model_name = name
+    state = OffloadState(pipeline, policy, runtime, modules=modules, unplanned=unplanned)
     _attach(pipeline, state, list(modules.children()))
     install_forwards(modules, state)
     return state
+
+
+def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans: dict[str, OffloadPlan]
+                     ) -> OffloadRuntime:
+    """The runtime of a pipeline under the block strategies: encoders, then denoisers, grouped block by block
+    (`component_block_groups`), each denoiser that ``auto`` planned as its plan says; the other components
+    on the compute device. With plans, the prefetch depth is the smallest they chose."""
+    paths = pipeline_streamed(modules, name)
+    planned = {path: planned_specs(modules.get_submodule(path), _within(policy, path), plan)
+               for path, plan in plans.items()}
+    if plans:
+        prefetch = min(plan.prefetch for plan in plans.values())
+        policy = policy.replace(prefetch=prefetch, prefetch_next_call=policy.prefetch_next_call and prefetch > 0)
+    runtime = build_runtime(modules, policy, specs=component_block_groups(modules, paths, policy, planned))
+    runtime.model_name = name
+    return runtime
+
+
+def _within(policy: OffloadPolicy, path: str) -> OffloadPolicy:
+    return policy.replace(blocks_attr=blocks_attr_within(policy.blocks_attr, path))
 
 
 def detach(state: OffloadState) -> Any:
@@ -452,8 +754,9 @@ def detach(state: OffloadState) -> Any:
     with state.lock:
         if state.runtime is not None:
             state.runtime.unpack()
-        for module in state.forwards:
-            module.__dict__.pop("forward", None)
+        state._set_refusers(())
+        for module, method in state.forwards:
+            module.__dict__.pop(method, None)
         for module, originals in state.watched.items():
             _unwatch_hooks(module, originals)
         for module, cls in state.classes:

@@ -12,6 +12,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 @pytest.mark.parametrize("script, expected", [
     ("decode_loop.py", "tokens equal the plain model's greedy decoding: True"),
     ("diffusion_model_level.py", "outputs equal: True"),
+    ("diffusers_pipeline.py", "outputs equal: True"),
     ("multistage_omni.py", "outputs equal the plain model: True"),
 ])
 def test_example_runs_and_checks_its_outputs(script, expected, tmp_path):

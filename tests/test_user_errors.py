@@ -1,0 +1,100 @@
+"""The first hour's mistakes get a short error that names the fix, and nothing is lost: a backward through an
+offloaded model, a wrong input shape, a method offload_compiler does not route. After each, the model runs
+again and every weight is bit-for-bit what it was."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import OffloadPolicy, offload_compile, remove_offload, reset_offload_stats
+from offload_compiler.testing import assert_traffic_matches_plan
+
+CPU = dict(device="cpu")
+
+
+class Stack(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+    def first_block(self, x):
+        """A public method that runs part of the model from Python: not routed."""
+        return self.blocks[0](x)
+
+    def width(self):
+        return self.blocks[0].in_features  # reads no weight
+
+
+def _offloaded():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    return offload_compile(model, OffloadPolicy(strategy="layerwise", **CPU)), x, expected, snapshot
+
+
+def _still_whole(m, x, expected, snapshot):
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+    assert_traffic_matches_plan(m)
+    assert all(torch.equal(v, snapshot[k]) for k, v in m.state_dict().items())
+
+
+def test_backward_through_an_offloaded_model_says_inference_only_and_names_the_fix():
+    m, x, expected, snapshot = _offloaded()
+    y = m(x)  # grad mode on, as for the plain model: the output requires grad
+    assert y.requires_grad and torch.equal(y.detach(), expected)
+    with pytest.raises(RuntimeError, match=r"runs inference only.*torch\.no_grad\(\).*remove_offload\(m\)"):
+        y.sum().backward()
+    assert all(p.grad is None for p in m.parameters())
+    z = m(x)
+    z += 1  # in place, as on the plain model's output
+    assert torch.equal(z.detach(), expected + 1)
+    with torch.inference_mode():
+        assert not m(x).requires_grad
+    _still_whole(m, x, expected, snapshot)
+    for p in m.parameters():  # frozen weights: the plain model's output needs no grad, nor does ours
+        p.requires_grad_(False)
+    assert not m(x).requires_grad
+
+
+def test_a_wrong_input_shape_is_one_short_error_with_the_shapes_given(capfd):
+    m, x, expected, snapshot = _offloaded()
+    m(torch.randn(3, 8))  # another batch size first: dynamo then traces with symbolic sizes
+    capfd.readouterr()
+    with pytest.raises(RuntimeError) as error:
+        m(torch.randn(2, 5))
+    message = str(error.value)
+    assert re.search(r"Stack\.forward\(x=Tensor\[2, 5\] float32\) failed: .*\[2, 5\] X \[8, 8\].*test_user_errors\.py",
+                     message), message
+    assert not re.search(r"\bs\d+\b", message), message  # sizes as numbers, not dynamo's symbols
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+    assert len(message) < 400 and not isinstance(error.value, torch._dynamo.exc.TorchDynamoException)
+    err = capfd.readouterr().err
+    assert "fake_tensor" not in err and "Traceback" not in err, err  # no log spam on stderr
+    _still_whole(m, x, expected, snapshot)
+
+
+def test_a_method_offload_compiler_does_not_route_refuses_to_read_host_weights():
+    m, x, expected, snapshot = _offloaded()
+    with pytest.raises(RuntimeError, match=r"Stack\.first_block\(\) ran the offloaded module blocks\.0 directly.*"
+                                           r"host memory.*forward\(\).*remove_offload"):
+        m.first_block(x)
+    assert m.width() == 8  # a method that computes nothing runs as before
+    _still_whole(m, x, expected, snapshot)
+    plain = remove_offload(m)
+    with torch.no_grad():
+        assert torch.equal(plain.first_block(x), plain.blocks[0](x))  # un-offloaded, it runs again
