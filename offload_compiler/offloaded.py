@@ -22,7 +22,6 @@ How a call reaches the weights, route by route:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import inspect
@@ -36,6 +35,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ._dynamo import compiled_module_of, is_tracing_error, model_error, recompile_limits, skipped_frames, \
     static_shapes, symbolic_sizes, traced_module, user_frame
@@ -63,8 +63,7 @@ class OffloadState:
     modules: nn.Module | None = None  # the model, or a pipeline's components seen as one (`PipelineModules`)
     classes: list = dataclasses.field(default_factory=list)  # (module, its class before offloading)
     forwards: dict = dataclasses.field(default_factory=dict)  # (module, method name) -> its _OffloadedForward
-    watched: dict = dataclasses.field(default_factory=dict)  # module -> its own hook dicts (watched copies in use)
-    hooked: list = dataclasses.field(default_factory=list)  # (a module's own hook dict, its size) where not empty
+    hooks: HookWatch = dataclasses.field(default_factory=lambda: HookWatch())  # the hook dicts of every module
     unplanned: list = dataclasses.field(default_factory=list)  # auto on a pipeline: denoisers planned at their first call
     plans: dict = dataclasses.field(default_factory=dict)  # auto on a pipeline: denoiser path -> its plan
     refusers: dict = dataclasses.field(default_factory=dict)  # module -> [(submodule, _Refuse)] (see guarding)
@@ -88,8 +87,9 @@ class OffloadState:
             raise RuntimeError(OFFLOAD_ENDED)
         if self.refused is not None:
             raise RuntimeError(self.refused)
-        if any(len(hooks) != size for hooks, size in self.hooked):  # handle.remove() of a hook from before
-            raise RuntimeError(HOOKS_REFUSED.format(model=self.name, action="removed"))
+        changed = self.hooks.change()
+        if changed is not None:
+            raise RuntimeError(HOOKS_REFUSED.format(model=self.name, action=changed))
 
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
@@ -343,41 +343,39 @@ def _guarded(name: str, function: Any) -> Any:
     return method
 
 
-class _WatchedHooks(collections.OrderedDict):
-    """A module's forward hook dict while its model is offloaded: adding or removing a hook is refused."""
-    model_name = "the model"
-
-    def _refuse(self, action: str) -> None:
-        raise RuntimeError(HOOKS_REFUSED.format(model=self.model_name, action=action))
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._refuse("registered")
-
-    def __delitem__(self, key: Any) -> None:
-        self._refuse("removed")
-
-
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
-def _watch_hooks(module: nn.Module, name: str) -> list[dict]:
-    """Swap a module's hook dicts for watched copies; returns the originals, which handles made before
-    offloading still point at (a removal through one of them is noticed at the next call)."""
-    originals = []
-    for attr in _HOOK_DICTS:
-        original = getattr(module, attr)
-        watched = _WatchedHooks()
-        watched.model_name = name
-        for key, hook in original.items():
-            collections.OrderedDict.__setitem__(watched, key, hook)
-        module.__dict__[attr] = watched
-        originals.append(original)
-    return originals
+class HookWatch:
+    """The forward hooks of every module of an offloaded model, as they were when its graphs were captured
+    (dynamo does not guard module hooks: a hook changed later would be silently ignored). Checked at every
+    call without touching the dicts, which stay the modules' own plain dicts (a dict of another type makes
+    dynamo guard each one in Python at every call): while no hook handle was made anywhere since the last
+    check and no dict shrank, nothing changed; otherwise the keys are compared."""
 
+    def __init__(self) -> None:
+        self.dicts: list[dict] = []
+        self.keys: list[tuple] = []
+        self.size = 0
+        self.handles = RemovableHandle.next_id
 
-def _unwatch_hooks(module: nn.Module, originals: list[dict]) -> None:
-    for attr, original in zip(_HOOK_DICTS, originals):
-        module.__dict__[attr] = original
+    def add(self, module: nn.Module) -> None:
+        for attr in _HOOK_DICTS:
+            hooks = module.__dict__[attr]
+            self.dicts.append(hooks)
+            self.keys.append(tuple(hooks))
+            self.size += len(hooks)
+        self.handles = RemovableHandle.next_id
+
+    def change(self) -> str | None:
+        """None while every hook dict holds the hooks it held at offloading; else "registered" or "removed"."""
+        if RemovableHandle.next_id == self.handles and sum(map(len, self.dicts)) == self.size:
+            return None
+        for hooks, keys in zip(self.dicts, self.keys):
+            if tuple(hooks) != keys:
+                return "registered" if set(hooks) - set(keys) else "removed"
+        self.handles = RemovableHandle.next_id  # handles made elsewhere (another model): nothing here changed
+        return None
 
 
 # -- forwards ------------------------------------------------------------------------------------------------
@@ -676,9 +674,7 @@ def _attach(owner: Any, state: OffloadState, modules: list[nn.Module]) -> None:
         module.__class__ = _offloaded_class(type(module))
         module.__dict__[STATE_ATTR] = state
         for sub in module.modules():
-            if sub not in state.watched:
-                state.watched[sub] = _watch_hooks(sub, state.name)
-                state.hooked += [(d, len(d)) for d in state.watched[sub] if d]
+            state.hooks.add(sub)
 
 
 def offload_module(model: nn.Module, policy: OffloadPolicy) -> OffloadState:
@@ -757,8 +753,6 @@ def detach(state: OffloadState) -> Any:
         state._set_refusers(())
         for module, method in state.forwards:
             module.__dict__.pop(method, None)
-        for module, originals in state.watched.items():
-            _unwatch_hooks(module, originals)
         for module, cls in state.classes:
             module.__class__ = cls
             module.__dict__.pop(STATE_ATTR, None)

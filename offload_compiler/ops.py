@@ -2,14 +2,13 @@
 and inductor treat them as extern calls; their order is fixed by token tensors (data), not by declared
 effects, which inductor does not honour for ordering (see DESIGN.md).
 
-The per-group ops (prefetch, wait, evict, resident) are defined with ``torch.library.Library`` define/impl
-rather than ``torch.library.custom_op``: the same schema, a fraction of the dispatch cost per call (custom_op
-wraps every call in Python layers that the hot path pays once per op per group)."""
+The ops are defined with ``torch.library.Library`` define/impl rather than ``torch.library.custom_op``: the
+same schema, a fraction of the dispatch cost per call (custom_op wraps every call in Python layers that the
+hot path pays once per op per group)."""
 
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 from ._registry import runtime_by_id
 
@@ -80,7 +79,6 @@ _define("transfer(int runtime, int[] steps, int group, int key, Tensor[] deps) -
         lambda runtime, steps, group, *_: _fake_buffers(runtime, group))
 
 
-@custom_op(f"{NAMESPACE}::materialize", mutates_args=())
 def materialize(value: torch.Tensor) -> torch.Tensor:
     """A copy of a weight reader's value, placed right after the reader; later nodes use the copy. Inductor
     lowers in graph order and may otherwise re-compute a pointwise reader from the weight inside a later
@@ -88,6 +86,4 @@ def materialize(value: torch.Tensor) -> torch.Tensor:
     return value.clone()
 
 
-@materialize.register_fake
-def _(value):
-    return torch.empty_like(value)
+_define("materialize(Tensor value) -> Tensor", materialize, torch.empty_like)
