@@ -6,7 +6,8 @@ trip through the dispatcher per op (the op's schema, then back into Python) is p
 ``as_strided`` per weight per call. `lower_for_eager` substitutes node for node, after verification:
 
   prefetch(runtime, group, key, deps, mode)        → runtime.prefetch(key, group, mode)
-  wait(...) / resident(...) and the views over them  → the slot's weight views, made once per slot and group
+  wait(...) / resident(...) and the weights over them → the slot's weights (views; subclass weights rebuilt
+                                                        around them), made once per slot and group
   evict(runtime, group, poison, buffers, users, park) → runtime.evict(group, poison, park)
 
 and the graph returns only the model's outputs (the extra outputs kept slots alive under inductor). What runs
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from .runtime import OffloadRuntime
-from .subclasses import plain_leaves
+from .subclasses import plain_leaves, rebuild_weight
 
 OPS = torch.ops.offload_compiler
 
@@ -35,13 +36,13 @@ def _direct_calls(runtime: OffloadRuntime) -> dict:
         ref().prefetch(key, group, mode)
 
     def offload_wait(key: int, group: int) -> tuple:
-        return ref().wait_views(key, group)
+        return ref().wait_weights(key, group)
 
     def offload_evict(group: int, poison: bool, park: bool) -> None:
         ref().evict(group, poison, park)
 
     def offload_resident(group: int) -> tuple:
-        return ref().resident_views(group)
+        return ref().resident_weights(group)
 
     return {OPS.prefetch.default: (offload_prefetch, lambda a: (a[2], a[1], a[4] if len(a) > 4 else 0)),
             OPS.wait.default: (offload_wait, lambda a: (a[2], a[1])),
@@ -49,11 +50,11 @@ def _direct_calls(runtime: OffloadRuntime) -> dict:
             OPS.resident.default: (offload_resident, lambda a: (a[1],))}
 
 
-def _leaf_index(layout: list[tuple[tuple, bool]]) -> dict[tuple, int]:
-    """(bucket, shape, stride, offset) of a leaf's view → its place in the group's leaves (what the insert pass
-    viewed; `DeviceSlot.views` makes them in this order)."""
-    leaves = [leaf for weight_leaves, _ in layout for leaf in weight_leaves]
-    return {(bucket, tuple(shape), tuple(stride), offset): i for i, (bucket, shape, stride, offset) in enumerate(leaves)}
+def _weight_index(layout: list[tuple[tuple, bool]]) -> dict[tuple, int]:
+    """(bucket, shape, stride, offset) of a plain weight's one leaf → the weight's place in its group (the
+    order of `DeviceSlot.weights`)."""
+    return {(bucket, tuple(shape), tuple(stride), offset): slot for slot, (leaves, rebuilt) in enumerate(layout)
+            if not rebuilt for bucket, shape, stride, offset in leaves}
 
 
 def lower_for_eager(gm: fx.GraphModule, runtime: OffloadRuntime, num_outputs: int) -> fx.GraphModule:
@@ -68,7 +69,7 @@ def lower_for_eager(gm: fx.GraphModule, runtime: OffloadRuntime, num_outputs: in
         with graph.inserting_before(node):
             direct = graph.call_function(fn, args_of(node.args))
         if node.target in (OPS.wait.default, OPS.resident.default):
-            _views_from_slot(node, direct, _leaf_index(runtime.layout[node.args[1]]), gone)
+            _weights_from_slot(node, direct, _weight_index(runtime.layout[node.args[1]]))
         gone.append(node)
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
@@ -96,19 +97,27 @@ def _erase_unused_orderings(graph: fx.Graph, nodes: set[fx.Node]) -> None:
                 break
 
 
-def _views_from_slot(fetched: fx.Node, direct: fx.Node, leaf_of: dict[tuple, int], gone: list[fx.Node]) -> None:
-    """Each ``as_strided`` over one of the fetch's flat buffers reads the slot's ready-made view instead."""
-    for item in list(fetched.users):
-        if item.target is not operator.getitem:
-            continue
-        bucket = item.args[1]
-        for view in list(item.users):
-            if view.target is not torch.ops.aten.as_strided.default:
-                continue
+def _weights_from_slot(fetched: fx.Node, direct: fx.Node, weight_of: dict[tuple, int]) -> None:
+    """Each weight the insert pass made over the fetch's flat buffers (an ``as_strided`` view; a subclass
+    rebuilt around its views by `rebuild_weight`) reads the slot's ready-made weight instead."""
+    graph = fetched.graph
+    views = [view for item in fetched.users if item.target is operator.getitem
+             for view in item.users if view.target is torch.ops.aten.as_strided.default]
+    rebuilt = {user: None for view in views for user in view.users if user.target is rebuild_weight}
+    for node in rebuilt:
+        _replace(node, graph.call_function, (direct, node.args[3]))
+    for view in views:
+        if view.users:  # a plain weight
             _, shape, stride, offset = view.args
-            with fetched.graph.inserting_before(view):
-                made = fetched.graph.call_function(operator.getitem,
-                                                   (direct, leaf_of[(bucket, tuple(shape), tuple(stride), offset)]))
-            made.meta.update(view.meta)
-            view.replace_all_uses_with(made)
-            fetched.graph.erase_node(view)
+            _replace(view, graph.call_function,
+                     (direct, weight_of[(view.args[0].args[1], tuple(shape), tuple(stride), offset)]))
+        else:
+            graph.erase_node(view)
+
+
+def _replace(node: fx.Node, call_function, index_args: tuple) -> None:
+    with node.graph.inserting_before(node):
+        made = call_function(operator.getitem, index_args)
+    made.meta.update(node.meta)
+    node.replace_all_uses_with(made)
+    node.graph.erase_node(node)

@@ -22,7 +22,7 @@ from .grouping import GroupSpec
 from .passes.fuse import EVICT as EVICT_STEP
 from .passes.schedule import ADOPT, CARRY, FETCH
 from .policy import OffloadPolicy
-from .subclasses import Path, RebuildSpec, leaf_at, leaf_paths, rebuild_spec, set_leaf
+from .subclasses import Path, RebuildSpec, leaf_at, leaf_paths, rebuild, rebuild_spec, set_leaf
 
 log = logging.getLogger("offload_compiler")
 
@@ -187,7 +187,7 @@ class DeviceSlot:
         self.group: int | None = None
         self._buffers: list[torch.Tensor] | None = None
         self.ready = self.free = None  # CUDA events, made with the buffers
-        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights' views over the buffers
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -199,14 +199,15 @@ class DeviceSlot:
                 self.ready, self.free = torch.cuda.Event(), torch.cuda.Event()
         return self._buffers
 
-    def views(self, group: "Group") -> tuple[torch.Tensor, ...]:
-        """Each leaf of ``group`` (`Group.leaves`) as a view over this slot's buffers (the views the insert pass
-        describes), made at the first use and the same tensors on every call."""
+    def weights(self, group: "Group") -> tuple[torch.Tensor, ...]:
+        """Each weight of ``group`` over this slot's buffers, as the insert pass describes it (a view per leaf; a
+        subclass weight rebuilt around its leaves), made at the first use and the same tensors on every call."""
         made = self._views.get(group.index)
         if made is None:
             buffers = self.buffers
+            leaves = iter([leaf.host_view(buffers[leaf.bucket]) for leaf in group.leaves])
             made = self._views[group.index] = tuple(
-                leaf.host_view(buffers[leaf.bucket]) for leaf in group.leaves)
+                next(leaves) if s.rebuild is None else rebuild(s.rebuild, leaves) for s in group.slots)
         return made
 
     def poison(self) -> None:
@@ -626,10 +627,10 @@ class OffloadRuntime:
         """The group's slot, ready for compute: its flat buffers (the same tensors every call)."""
         return self._wait(key, group).buffers
 
-    def wait_views(self, key: int, group: int) -> tuple[torch.Tensor, ...]:
-        """As `wait`, but the group's weights themselves (views over the slot made once): the eager path."""
+    def wait_weights(self, key: int, group: int) -> tuple[torch.Tensor, ...]:
+        """As `wait`, but the group's weights themselves (made over the slot once): the eager path."""
         slot = self._wait(key, group)
-        return slot.views(self.groups[slot.group])
+        return slot.weights(self.groups[slot.group])
 
     def transfer(self, steps: list[int], key: int, group: int) -> list[torch.Tensor]:
         """The evicts and prefetches of ``steps`` (see `passes.fuse`), in order, then `wait`."""
@@ -699,9 +700,9 @@ class OffloadRuntime:
         refilled in place when a host weight changed."""
         return self._resident_slot(group).buffers
 
-    def resident_views(self, group: int) -> tuple[torch.Tensor, ...]:
+    def resident_weights(self, group: int) -> tuple[torch.Tensor, ...]:
         slot = self._resident_slot(group)
-        return slot.views(self.groups[slot.group])
+        return slot.weights(self.groups[slot.group])
 
     def _resident_slot(self, group: int) -> DeviceSlot:
         group = self._actual(group)

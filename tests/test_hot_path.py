@@ -21,9 +21,10 @@ OPS = torch.ops.offload_compiler
 SPEC = ModelSpec(16, (BlockSpec("mlp", 32), BlockSpec("attention", 1), BlockSpec("mlp", 16)), False, True, 4, 2)
 
 
-def _rewritten(policy: OffloadPolicy):
+def _rewritten(policy: OffloadPolicy, prepare=lambda model: model):
     from capture import capture
     model, x = build_block_model(SPEC, 5)
+    model = prepare(model)
     gm, inputs = capture(model, x)
     runtime = OffloadRuntime(policy, plan_groups(model, policy), pack_now=False)
     new_gm, num_outputs, plan = rewrite_graph(gm, inputs, runtime)
@@ -66,6 +67,16 @@ def test_eager_lowering_leaves_no_op_and_no_view_per_weight():
     assert _count(lowered, torch.ops.aten.as_strided.default) == 0 < views_before
     names = [getattr(n.target, "__name__", "") for n in lowered.graph.nodes if n.op == "call_function"]
     assert names.count("offload_wait") == plan.verified.fetches
+
+
+def test_eager_lowering_reads_quantized_weights_rebuilt_once_per_slot():
+    quantization = pytest.importorskip("torchao.quantization")
+    from offload_compiler.subclasses import rebuild_weight
+    int8 = lambda model: quantization.quantize_(model, quantization.Int8WeightOnlyConfig()) or model  # noqa: E731
+    gm, num_outputs, plan, runtime = _rewritten(OffloadPolicy(strategy="layerwise", device="cpu"), int8)
+    assert _count(gm, rebuild_weight) > 0
+    lowered = lower_for_eager(copy.deepcopy(gm), runtime, num_outputs)
+    assert _count(lowered, rebuild_weight) == 0 and _count(lowered, torch.ops.aten.as_strided.default) == 0
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
