@@ -110,3 +110,18 @@ def test_host_overhead_small(tmp_path):
         assert name.startswith("plain-") or "host_us_per_group" in r
     for name in ("ours-eager", "ours-inductor"):
         assert methods[name]["fetches_per_call"] == 4 and methods[name]["bytes_per_call"] > 0  # offloading happened
+
+
+def test_profile_overlap_summary_measures_copies_hidden_behind_kernels():
+    spec = importlib.util.spec_from_file_location("bench_profile_forward", BENCH / "profile_forward.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))
+    spec.loader.exec_module(module)
+    event = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {"traceEvents": [event("kernel", "gemm", 0, 100), event("kernel", "gemm", 150, 50),
+                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 50, 100),  # half under a kernel
+                             event("gpu_memcpy", "Memcpy DtoH", 300, 10)]}  # not a weight fetch
+    summary = module.overlap_summary(trace)
+    assert summary["h2d_copy_us"] == 100 and summary["h2d_copy_overlapped_share"] == 0.5
+    assert summary["kernel_us"] == 150 and summary["span_us"] == 200 and summary["gpu_idle_us"] == 0
+    assert module.overlap_summary({"traceEvents": []}) == {"gpu_events": 0}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The whole GPU campaign in one run (under ten minutes on one H100), everything written into one folder:
+#
+#   bash benchmarks/gpu_campaign.sh OUTDIR            # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_campaign.sh OUTDIR --smoke    # on CPU: proves the driver end to end, measures nothing
+#
+# OUTDIR is also packed into OUTDIR.tgz at the end (the device tool brings back at most 8 files: run it with
+# OUTDIR=$OUT/campaign and the archive holds everything).
+#
+# Steps, each logged to OUTDIR/campaign.log and timed; a failing step is recorded and the next one runs:
+#   1. the machine: nvidia-smi, torch / CUDA / driver versions (environment.json)
+#   2. tests: `pytest -m gpu` (CUDA graphs, copy stream, pinned buffers), then every strategy's CUDA path
+#   3. benchmarks: the reduced gpu_offload run, the CPU-free host-overhead and decode figures on the GPU's host,
+#      a torch.profiler trace of one offloaded forward (copies overlapping compute), then the full gpu_offload
+#      run if the time budget still allows it
+# diffusers is not installed on the GPU machines: carry its wheel in .whl/ (see the device tool's README) and
+# this script installs it into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: gpu_campaign.sh OUTDIR [--smoke]}"
+SMOKE="${2:-}"
+BUDGET_S="${CAMPAIGN_BUDGET_S:-540}"
+mkdir -p "$OUT"
+LOG="$OUT/campaign.log"
+START=$(date +%s)
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+elapsed() { echo $(( $(date +%s) - START )); }
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record status and seconds in OUTDIR/steps.tsv
+  local name="$1" limit="$2"; shift 2
+  local t0=$(date +%s)
+  echo "=== $name ($(elapsed) s into the campaign)" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" | tee -a "$OUT/steps.tsv"
+}
+left() { echo $(( BUDGET_S - $(elapsed) )); }
+
+if [ "$SMOKE" = "--smoke" ]; then
+  DEVICE=cpu
+  step environment 60 python -c "import json, torch, sys; sys.path.insert(0, 'benchmarks'); from common import environment; json.dump(environment(), open('$OUT/environment.json', 'w'), indent=2)"
+  step tests-gpu 120 python -m pytest -q -m gpu tests/test_gpu.py
+  step gpu-offload-reduced 300 python benchmarks/gpu_offload.py --smoke --device cpu --reps 2 --rss off --no-plot \
+    --methods none ours-layerwise-p1-eager ours-budget-eager diffusers-group-block --out "$OUT/gpu_offload_reduced.json"
+  step profile 120 python benchmarks/profile_forward.py --device cpu --layers 2 --hidden 64 --out "$OUT/profile.json"
+else
+  DEVICE=cuda
+  nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+  step environment 60 python -c "import json, torch, sys; sys.path.insert(0, 'benchmarks'); from common import environment; json.dump(environment(), open('$OUT/environment.json', 'w'), indent=2)"
+  step tests-gpu 240 python -m pytest -q -m gpu tests/test_gpu.py tests/test_fake_cuda.py
+  step gpu-offload-reduced 240 python benchmarks/gpu_offload.py --reps 5 --warmup 1 --rss off \
+    --dit-blocks 8 --dit-seq 4096 --llm-layers 6 --llm-prefill-seq 1024 --out "$OUT/gpu_offload_reduced.json"
+  step profile 90 python benchmarks/profile_forward.py --device cuda --out "$OUT/profile.json"
+  step decode 90 python benchmarks/decode.py --rounds 5 --out "$OUT/decode_host.json"
+  if [ "$(left)" -gt 200 ]; then
+    step gpu-offload-full "$(( $(left) - 20 ))" python benchmarks/gpu_offload.py --out "$OUT/gpu_offload.json"
+  else
+    echo "=== gpu-offload-full skipped: $(left) s left of $BUDGET_S" | tee -a "$LOG"
+  fi
+fi
+echo "campaign done in $(elapsed) s on $DEVICE; steps (name, exit status, seconds) in $OUT/steps.tsv" | tee -a "$LOG"
+tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
