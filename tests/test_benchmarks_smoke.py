@@ -110,3 +110,18 @@ def test_host_overhead_small(tmp_path):
         assert name.startswith("plain-") or "host_us_per_group" in r
     for name in ("ours-eager", "ours-inductor"):
         assert methods[name]["fetches_per_call"] == 4 and methods[name]["bytes_per_call"] > 0  # offloading happened
+
+
+def test_first_output_small(tmp_path):
+    out = tmp_path / "first_output.json"
+    _run("first_output.py", "--models", "stack", "--rounds", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {"command", "environment", "config", "summary", "samples"} <= set(data)
+    assert "first_output.py" in data["command"]
+    methods = data["summary"]["stack"]
+    assert set(methods) == {"plain-eager", "ours-eager"}
+    for name, r in methods.items():
+        assert "errors" not in r, (name, r.get("errors"))
+        assert r["total_s"] >= r["first_call_s"] > 0 and r["capture_s"] > 0
+    ours = methods["ours-eager"]
+    assert ours["ratio_to_plain"] > 0 and ours["breakdown_s"]["pack"] > 0 and ours["breakdown_s"]["passes"] > 0
