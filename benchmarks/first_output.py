@@ -107,6 +107,7 @@ class Timers:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         self.first_backend_at: float | None = None
         self._depth: dict[str, int] = {}
 
@@ -117,6 +118,7 @@ class Timers:
         def timed(*args, **kwargs):
             if backend and self.first_backend_at is None:
                 self.first_backend_at = time.perf_counter()
+            self.calls[attr] = self.calls.get(attr, 0) + 1
             depth = self._depth.get(label, 0)
             self._depth[label] = depth + 1
             start = time.perf_counter()
@@ -131,9 +133,7 @@ class Timers:
 
 def instrument_ours(timers: Timers) -> None:
     from offload_compiler import backend, runtime
-    timers.wrap(runtime, "pack_group", "pack")  # a group packed at its first fetch
-    if hasattr(runtime, "pack_groups"):  # every group at construction (a worker allocating ahead)
-        timers.wrap(runtime, "pack_groups", "pack")
+    timers.wrap(runtime, "pack_group", "pack")
     timers.wrap(backend, "compile_graph", "backend", backend=True)
     timers.wrap(backend, "rewrite_graph", "passes")
     timers.wrap(backend, "lower_for_eager", "lowering")
@@ -163,6 +163,14 @@ def _warm_dynamo(compiler: str) -> None:
     fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2 + 1, backend=compiler)
     fn(torch.randn(8))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def _dynamo_stats() -> dict:
+    """Frames dynamo compiled and graphs it captured so far (a capture done twice would show here)."""
+    from torch._dynamo.utils import counters
+    stats = counters["stats"]
+    return {"frames_compiled": stats["unique_graphs"], "calls_captured": stats["calls_captured"]}
 
 
 def _rss_bytes() -> int:
@@ -191,6 +199,7 @@ def worker(model_name: str, method: str) -> dict:
         built = time.perf_counter()
         out = run(**kwargs)
         first = time.perf_counter()
+        graphs = _dynamo_stats()
         run(**kwargs)
         second = time.perf_counter() - first
     del out
@@ -198,6 +207,7 @@ def worker(model_name: str, method: str) -> dict:
     capture = timers.first_backend_at - built if timers.first_backend_at else None
     return {"model": model_name, "method": method, "construct_s": built - start, "first_call_s": first - built,
             "total_s": first - start, "second_call_s": second, "capture_s": capture, "timers_s": timers.seconds,
+            "calls": timers.calls, "dynamo_first_call": graphs, "dynamo_after_second_call": _dynamo_stats(),
             "model_bytes": model_bytes, "rss_before_bytes": rss_before, "peak_rss_bytes": peak_rss,
             "peak_rss_over_model": (peak_rss - rss_before) / model_bytes}
 
