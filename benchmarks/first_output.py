@@ -224,6 +224,30 @@ def run_fresh(model: str, method: str, timeout: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+COPY_SPEED = """
+import time, torch
+src = torch.ones({numel})
+start = time.perf_counter(); dst = torch.empty_like(src).copy_(src); fresh = time.perf_counter() - start
+start = time.perf_counter(); dst.copy_(src); touched = time.perf_counter() - start
+print(src.nbytes / fresh / 1e9, src.nbytes / touched / 1e9)
+"""
+
+
+def host_copy_speed(nbytes: int = 1 << 29) -> dict:
+    """memcpy on this machine, in a fresh process: ``copy_`` of a contiguous float32 tensor into freshly
+    allocated memory (as packing does: the copy touches every page first) and into memory already touched."""
+    out = subprocess.run([sys.executable, "-c", COPY_SPEED.format(numel=nbytes // 4)], capture_output=True,
+                         text=True, timeout=120)
+    fresh, touched = map(float, out.stdout.split())
+    return {"bytes": nbytes, "fresh_gb_per_s": fresh, "touched_gb_per_s": touched}
+
+
+def packing_speed(summary: dict) -> dict:
+    """Packing throughput (model bytes / packing seconds) of each model, to set against `host_copy_speed`."""
+    return {model: r["model_bytes"] / r["breakdown_s"]["pack"] / 1e9 for model, methods in summary.items()
+            for method, r in methods.items() if method == "ours-eager" and r.get("breakdown_s", {}).get("pack")}
+
+
 # -- summary ------------------------------------------------------------------------------------------------
 
 def summarize(samples: list[dict]) -> dict:
@@ -293,13 +317,17 @@ def main(argv: list[str] | None = None) -> dict:
     samples = [run_fresh(model, method, args.timeout)
                for _ in range(args.rounds) for model in models for method in methods]
     summary = summarize(samples)
+    copy_speed = {**host_copy_speed(), "packing_gb_per_s": packing_speed(summary)}
     out = args.out or RESULTS / ("first_output_quick.json" if args.quick else "first_output.json")
     data = {"command": exact_command(), "environment": environment(),
             "config": {"models": list(models), "methods": methods, "rounds": args.rounds, "llama1b": LLAMA_1B,
                        "target_ratio": TARGET_RATIO},
-            "summary": summary, "samples": samples}
+            "summary": summary, "host_copy": copy_speed, "samples": samples}
     write_json(out, data)
     print(table(summary))
+    print(f"memcpy {copy_speed['fresh_gb_per_s']:.2f} GB/s into fresh memory, {copy_speed['touched_gb_per_s']:.2f} "
+          f"GB/s into touched memory; packing (GB/s): "
+          + ", ".join(f"{m} {v:.2f}" for m, v in copy_speed["packing_gb_per_s"].items()))
     return data
 
 
