@@ -125,3 +125,18 @@ def test_profile_overlap_summary_measures_copies_hidden_behind_kernels():
     assert summary["h2d_copy_us"] == 100 and summary["h2d_copy_overlapped_share"] == 0.5
     assert summary["kernel_us"] == 150 and summary["span_us"] == 200 and summary["gpu_idle_us"] == 0
     assert module.overlap_summary({"traceEvents": []}) == {"gpu_events": 0}
+
+
+def test_first_output_small(tmp_path):
+    out = tmp_path / "first_output.json"
+    _run("first_output.py", "--models", "stack", "--rounds", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {"command", "environment", "config", "summary", "samples"} <= set(data)
+    assert "first_output.py" in data["command"]
+    methods = data["summary"]["stack"]
+    assert set(methods) == {"plain-eager", "ours-eager"}
+    for name, r in methods.items():
+        assert "errors" not in r, (name, r.get("errors"))
+        assert r["total_s"] >= r["first_call_s"] > 0 and r["capture_s"] > 0
+    ours = methods["ours-eager"]
+    assert ours["ratio_to_plain"] > 0 and ours["breakdown_s"]["pack"] > 0 and ours["breakdown_s"]["passes"] > 0
