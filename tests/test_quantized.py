@@ -214,6 +214,15 @@ def test_inductor_streams_int8_blocks():
     assert report.bytes_transferred == 2 * _quantized_bytes(model)
 
 
+@pytest.mark.slow
+def test_inductor_streams_an_int8_llama_as_its_quantized_bytes():
+    model, kwargs = _llama("int8")
+    expected, quantized = _logits(model, kwargs), _quantized_bytes(model)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", compiler="inductor", **CPU))
+    moved = _per_call(m, lambda: torch.testing.assert_close(_logits(m, kwargs), expected, atol=2e-2, rtol=2e-2))
+    assert moved == quantized
+
+
 def test_quanto_qint8_weights_stream():
     quanto = pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
     model, kwargs = llama(layers=LAYERS)
