@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -120,3 +121,46 @@ def have_matplotlib() -> bool:
         return True
     except ImportError:
         return False
+
+
+# -- side-by-side timing of methods in one process (host_overhead, decode) ---------------------------------
+
+def interleave(prepare: dict[str, Callable[[], Callable[[], None]]], rounds: int, calls: int) -> dict[str, dict]:
+    """Time ``calls`` steps of every method per round, the methods in turn, for ``rounds`` rounds; per method the
+    medians over rounds, per step, of wall seconds, this process's CPU seconds (all its threads: what other
+    processes on a shared machine cannot inflate much) and minor page faults. ``prepare[name]()`` runs untimed
+    before each round's steps and returns the step."""
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in prepare}
+    for _ in range(rounds):
+        for name, make in prepare.items():
+            step = make()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            cpu, wall = time.process_time(), time.perf_counter()
+            for _ in range(calls):
+                step()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            samples[name].append((wall / calls, cpu / calls, faults / calls))
+    return {name: {"wall_s_median": statistics.median(s[0] for s in runs),
+                   "cpu_s_median": statistics.median(s[1] for s in runs),
+                   "minor_faults_median": statistics.median(s[2] for s in runs)} for name, runs in samples.items()}
+
+
+def against_baseline(results: dict[str, dict], baseline: dict[str, str], default: str = "plain-eager"):
+    """(name, result, its baseline's result) for every method that is not itself a plain baseline."""
+    for name, result in results.items():
+        base = results.get(baseline.get(name, default))
+        if base is not None and not name.startswith("plain-") and "error" not in result:
+            yield name, result, base
+
+
+def moved_per_call(module, call: Callable[[], Any]) -> dict:
+    """Offloading happened: fetches and bytes of one ``call()`` of an offloaded ``module``, from its ledger."""
+    import torch
+    from offload_compiler import offload_stats, reset_offload_stats
+    reset_offload_stats(module)
+    with torch.no_grad():
+        call()
+    stats = offload_stats(module)
+    return {"fetches_per_call": stats.fetch_count, "bytes_per_call": stats.bytes_transferred,
+            "peak_device_weight_bytes": stats.peak_device_weight_bytes}

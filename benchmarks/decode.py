@@ -10,12 +10,12 @@ one process, interleaved round by round, medians of the time per token:
   vllm-functional_call           each layer copies its state dict per forward and runs torch.func.functional_call
                                  (not run by default: with a KV cache its decode tokens differ from the model's)
 
-Per method: ms per token, its ratio to its plain counterpart (ours-inductor against plain-inductor, everything
-else against plain-eager), minor page faults per token, and for ours the bytes and fetches of one token from
-the ledger (offloading happened, every layer streamed per token). With device ``cpu`` a fetch is a memcpy on
-the core that computes, so a token cannot cost less than plain + the memcpy of the bytes it streams: the copy
-floor, measured here too (one flat copy of that many bytes); ``over_floor`` is ours against it, the share that
-is host work.
+Per method: ms per token, its ratio to its plain counterpart on wall time and on this process's CPU time
+(ours-inductor against plain-inductor, everything else against plain-eager), minor page faults per token, and
+for ours the bytes and fetches of one token from the ledger (offloading happened, every layer streamed per
+token). With device ``cpu`` a fetch is a memcpy on the core that computes, so a token cannot cost less than
+plain + the memcpy of the bytes it streams: the copy floor, measured here too (one flat copy of that many
+bytes); ``over_floor`` is ours against it, the share that is host work.
 
     python benchmarks/decode.py                      # writes benchmarks/results/decode.json
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import resource
 import statistics
 import sys
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, exact_command, write_json  # noqa: E402
+from common import (RESULTS, against_baseline, environment, exact_command, interleave,  # noqa: E402
+                    moved_per_call, write_json)
 from host_overhead import functional_call_offload  # noqa: E402
 
 METHODS = ("plain-eager", "plain-inductor", "ours-eager", "ours-inductor", "diffusers-group-block",
@@ -69,28 +69,25 @@ def prefill(model, prompt: torch.Tensor):
     return out.past_key_values, out.logits[:, -1:].argmax(-1)
 
 
+class Decoder:
+    """A timed step: one greedy token from its own copy of the prefilled cache (copied untimed, at creation)."""
+
+    def __init__(self, fn, cache, token: torch.Tensor) -> None:
+        self.fn, self.cache, self.token = fn, copy.deepcopy(cache), token
+
+    def __call__(self) -> None:
+        out = self.fn(input_ids=self.token, past_key_values=self.cache, use_cache=True)
+        self.cache, self.token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+
 def decode(fn, cache, token: torch.Tensor, tokens: int) -> list[int]:
     """Greedy decode from a copy of ``cache``; the tokens produced."""
-    cache = copy.deepcopy(cache)
-    produced = []
+    step, produced = Decoder(fn, cache, token), []
     with torch.no_grad():
         for _ in range(tokens):
-            out = fn(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            produced.append(int(token))
+            step()
+            produced.append(int(step.token))
     return produced
-
-
-def _timed(fn, cache, token, tokens: int) -> tuple[float, float]:
-    cache = copy.deepcopy(cache)  # outside the timing
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
-    with torch.no_grad():
-        for _ in range(tokens):
-            out = fn(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    seconds = (time.perf_counter() - start) / tokens
-    return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / tokens
 
 
 def _copy_seconds(source: torch.Tensor, target: torch.Tensor, repeats: int = 5) -> float:
@@ -101,17 +98,6 @@ def _copy_seconds(source: torch.Tensor, target: torch.Tensor, repeats: int = 5) 
         target.copy_(source)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def _moved_per_token(fn, cache, token) -> dict:
-    from offload_compiler import offload_stats, reset_offload_stats
-    cache = copy.deepcopy(cache)
-    reset_offload_stats(fn)
-    with torch.no_grad():
-        fn(input_ids=token, past_key_values=cache, use_cache=True)
-    stats = offload_stats(fn)
-    return {"fetches_per_token": stats.fetch_count, "bytes_per_token": stats.bytes_transferred,
-            "peak_device_weight_bytes": stats.peak_device_weight_bytes}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,34 +123,28 @@ def main(argv: list[str] | None = None) -> dict:
             produced = decode(runs[name], cache, first, args.tokens)
             info[name]["same_tokens"] = produced == expected
             if name.startswith("ours-"):
-                info[name].update(_moved_per_token(runs[name], cache, first))
+                info[name].update(moved_per_call(runs[name], Decoder(runs[name], cache, first)))
         except Exception as exc:  # a method that cannot run here is reported, not fatal
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             runs.pop(name, None)
-    streamed = max((info[n].get("bytes_per_token", 0) for n in runs), default=0)
+    streamed = max((info[n].get("bytes_per_call", 0) for n in runs), default=0)
     source, target = torch.empty(streamed, dtype=torch.uint8), torch.empty(streamed, dtype=torch.uint8)
-    samples = {name: ([], []) for name in runs}
-    copies = []
-    for _ in range(args.rounds):
-        for name, fn in runs.items():
-            seconds, faults = _timed(fn, cache, first, args.tokens)
-            samples[name][0].append(seconds)
-            samples[name][1].append(faults)
-        copies.append(_copy_seconds(source, target))
-    copy_s = statistics.median(copies)
-    results = {name: {"token_s_median": statistics.median(s), "minor_faults_per_token_median": statistics.median(f),
-                      **info[name]} for name, (s, f) in samples.items()}
-    for name, r in results.items():
-        base = results.get(BASELINE.get(name, "plain-eager"))
-        if base is not None and not name.startswith("plain-"):
-            r["baseline"] = BASELINE.get(name, "plain-eager")
-            r["over_plain"] = r["token_s_median"] / base["token_s_median"]
-            if name.startswith("ours-"):
-                r["copy_floor_s"] = base["token_s_median"] + copy_s
-                r["over_floor"] = r["token_s_median"] / r["copy_floor_s"]
+    with torch.no_grad():
+        timed = interleave({name: (lambda fn=fn: Decoder(fn, cache, first)) for name, fn in runs.items()},
+                           args.rounds, args.tokens)
+    copy_s = statistics.median(_copy_seconds(source, target) for _ in range(args.rounds))
+    results = {name: {**timed[name], **info[name]} for name in runs}
+    for name, r, base in against_baseline(results, BASELINE):
+        r["baseline"] = BASELINE.get(name, "plain-eager")
+        r["over_plain"] = r["wall_s_median"] / base["wall_s_median"]
+        r["over_plain_cpu"] = r["cpu_s_median"] / base["cpu_s_median"]
+        if name.startswith("ours-"):
+            r["copy_floor_s"] = base["wall_s_median"] + copy_s
+            r["over_floor"] = r["wall_s_median"] / r["copy_floor_s"]
     for name, error in errors.items():
         results[name] = {"error": error}
     summary = {name: {"over_plain": results.get(name, {}).get("over_plain"),
+                      "over_plain_cpu": results.get(name, {}).get("over_plain_cpu"),
                       "over_copy_floor": results.get(name, {}).get("over_floor"), "target": 1.10,
                       "meets_target": (results.get(name, {}).get("over_plain") or 99) <= 1.10}
                for name in ("ours-eager", "ours-inductor")}
@@ -175,10 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
     write_json(args.out, data)
     for name, r in results.items():
         print(f"{name:24s} " + (r["error"] if "error" in r else
-                                f"{r['token_s_median'] * 1e3:8.3f} ms/token  "
+                                f"{r['wall_s_median'] * 1e3:8.3f} ms/token  "
                                 f"{r.get('over_plain', float('nan')):5.2f}x plain  "
+                                f"({r.get('over_plain_cpu', float('nan')):5.2f}x on CPU time)  "
                                 f"{r.get('over_floor', float('nan')):5.2f}x copy floor  "
-                                f"{r['minor_faults_per_token_median']:8.1f} faults/token"
+                                f"{r['minor_faults_median']:8.1f} faults/token"
                                 + ("" if r.get("same_tokens", True) else "  TOKENS DIFFER")))
     print(summary)
     return data

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import traceback
 import weakref
 from typing import Any, Callable
@@ -17,9 +18,8 @@ from torch import nn
 
 from . import ops  # noqa: F401  (registers the transfer ops)
 from .grouping import GroupSpec, plan_groups
-from .lowering import lower_for_eager
+from .lowering import compile_for_inductor, lower_for_eager
 from .passes.analysis import collect_uses, weight_inputs
-from .passes.fuse import fuse_transfers
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
 from .passes.slots import assign_slots, pool_bytes
@@ -137,9 +137,15 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadR
     runtime.plan_calls.append(0)
     index = len(runtime.graph_plans) - 1
     if runtime.policy.compiler == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-        return Variant(compile_fx(fuse_transfers(new_gm), example_inputs), num_outputs, None, plan.carry_keys, index)
+        return Variant(compile_for_inductor(new_gm, example_inputs, runtime, num_outputs), num_outputs, None,
+                       plan.carry_keys, index)
     return Variant(lower_for_eager(new_gm, runtime, num_outputs), num_outputs, None, plan.carry_keys, index)
+
+
+def _getter(positions: list[int]) -> Callable[[Any], tuple]:
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return (lambda args: (args[positions[0]],)) if positions else (lambda args: ())
 
 
 class GraphRunner:
@@ -151,17 +157,17 @@ class GraphRunner:
     def __init__(self, gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> None:
         self._gm = gm
         self._runtime = weakref.ref(runtime)
-        self._weight_positions = [i for i, value in enumerate(example_inputs)
-                                  if isinstance(value, torch.Tensor) and (
-                                      id(value) in runtime.group_of or isinstance(value, nn.Parameter))]
+        positions = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.Tensor) and (
+            id(value) in runtime.group_of or isinstance(value, nn.Parameter))]
+        self._weights_of = _getter(positions)  # the weights passed, as a tuple, in one C call per graph call
         self._compiled_ids = self._ids(example_inputs)
         self._variants: dict[tuple, Variant] = {self._compiled_ids: _compile_variant(gm, example_inputs, runtime)}
 
     def _ids(self, args) -> tuple:
-        return tuple(id(args[i]) for i in self._weight_positions)
+        return tuple(map(id, self._weights_of(args)))
 
     def _variant_for(self, args, ids: tuple, rt: OffloadRuntime) -> Variant:
-        passed = [args[i] for i in self._weight_positions]
+        passed = list(self._weights_of(args))
         remap = rt.remap_between(passed, self._compiled_ids)
         if remap is not None:  # the same graph over other layers' weights: it carries nothing between calls
             base = self._variants[self._compiled_ids]

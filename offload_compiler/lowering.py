@@ -1,4 +1,6 @@
-"""Run a verified graph eagerly without the dispatcher: its transfer ops become direct calls into the runtime.
+"""Run a verified graph: eagerly without the dispatcher, or compiled by inductor with one op per fetch.
+
+Eagerly (`lower_for_eager`), the transfer ops become direct calls into the runtime.
 
 The passes rewrite, verify and plan slots on a graph of `ops` (opaque operators with tokens, which dynamo, AOT
 autograd and inductor need). Eagerly, Python runs the nodes in graph order, so the tokens order nothing and a
@@ -12,6 +14,11 @@ trip through the dispatcher per op (the op's schema, then back into Python) is p
 
 and the graph returns only the model's outputs (the extra outputs kept slots alive under inductor). What runs
 is the verified schedule, position for position; only the calling convention changes.
+
+Under inductor (`compile_for_inductor`), `passes.fuse` folds each wait with the steps before it into one
+``transfer`` op returning the weights' leaves; inductor is told never to reuse those leaves' memory and which
+of them are not 16-byte aligned (`register_transfer_lowering`), so it needs no runtime size or alignment
+check per leaf and no graph output per slot.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import weakref
 import torch
 import torch.fx as fx
 
+from ._registry import runtime_by_id
+from .passes.fuse import fuse_transfers
 from .runtime import OffloadRuntime
 from .subclasses import plain_leaves, rebuild_weight
 
@@ -121,3 +130,46 @@ def _replace(node: fx.Node, call_function, index_args: tuple) -> None:
     made.meta.update(node.meta)
     node.replace_all_uses_with(made)
     node.graph.erase_node(node)
+
+
+# inductor's per-output checks of extern kernels' results; the transfer op's leaves are described exactly to it
+# (`register_transfer_lowering`), and these checks would cost two calls per leaf per call
+_INDUCTOR_CONFIG = {"size_asserts": False, "alignment_asserts": False}
+ALIGNMENT = 16  # bytes: what inductor assumes of an extern kernel's outputs unless told otherwise
+
+
+def compile_for_inductor(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime, num_outputs: int):
+    """``gm`` (a rewritten, verified graph) fused (`passes.fuse`) and compiled with inductor."""
+    from torch._inductor.compile_fx import compile_fx
+    register_transfer_lowering()
+    fused = fuse_transfers(gm, runtime.plan_transfer, runtime.layout, num_outputs)
+    return compile_fx(fused, example_inputs, config_patches=_INDUCTOR_CONFIG)
+
+
+_registered = False
+
+
+def register_transfer_lowering() -> None:
+    """Lower ``transfer`` as the extern call it is, and mark its leaves: never reused for another value
+    (they are device slots the runtime owns: inductor reusing one for an activation, or writing in place
+    into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is."""
+    global _registered
+    if _registered:
+        return
+    from torch._inductor.lowering import fallback_handler, register_lowering
+    from torch._inductor.virtualized import V
+    fallback = fallback_handler(OPS.transfer.default, add_to_fallback_set=False)
+
+    @register_lowering(OPS.transfer.default, type_promotion_kind=None)
+    def transfer(runtime: int, plan: int, deps: list):
+        leaves = fallback(runtime, plan, deps)
+        rt = runtime_by_id(runtime)
+        group = rt.groups[rt.transfer_group(plan)]
+        for out, leaf in zip(leaves, group.leaves):
+            name = out.get_name()
+            V.graph.never_reuse_buffers.add(name)
+            if leaf.offset * group.buckets[leaf.bucket].dtype.itemsize % ALIGNMENT:
+                V.graph.unaligned_buffers.add(name)
+        return leaves
+
+    _registered = True

@@ -64,10 +64,19 @@ def resident(runtime: int, group: int) -> list[torch.Tensor]:
     return runtime_by_id(runtime).resident(group)
 
 
-def transfer(runtime: int, steps: list[int], group: int, key: int, deps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A wait fused with the evicts and prefetches just before it (`passes.fuse`): one op where there were
-    several. ``steps`` is flat: (kind, group, a, b) per evict (poison, park) or prefetch (key, mode)."""
-    return runtime_by_id(runtime).transfer(steps, key, group)
+def transfer(runtime: int, plan: int, deps: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A wait (or a resident copy) fused with the evicts and prefetches just before it (`passes.fuse`): one op
+    where there were several, its steps recorded once in the runtime (`OffloadRuntime.plan_transfer`). Returns
+    the group's leaves, each a view of its device slot with its own layout: the compiled graph needs no view op
+    per weight. Inductor must never reuse them for other values (see `backend.register_transfer_lowering`)."""
+    return runtime_by_id(runtime).run_transfer(plan)
+
+
+def _fake_leaves(runtime: int, plan: int, deps) -> list[torch.Tensor]:
+    rt = runtime_by_id(runtime)
+    group = rt.groups[rt.transfer_group(plan)]
+    return [torch.empty_strided(leaf.shape, leaf.stride, dtype=group.buckets[leaf.bucket].dtype, device=rt.device)
+            for leaf in group.leaves]
 
 
 _define("prefetch(int runtime, int group, int key, Tensor[] deps, int mode=0) -> Tensor", prefetch, _token)
@@ -75,8 +84,7 @@ _define("wait(int runtime, int group, int key, Tensor[] deps) -> Tensor[]", wait
 _define("evict(int runtime, int group, bool poison, Tensor[] buffers, Tensor[] users, bool park=False) -> Tensor",
         evict, _token, tags=(torch.Tag.flexible_layout,))
 _define("resident(int runtime, int group) -> Tensor[]", resident, _fake_buffers)
-_define("transfer(int runtime, int[] steps, int group, int key, Tensor[] deps) -> Tensor[]", transfer,
-        lambda runtime, steps, group, *_: _fake_buffers(runtime, group))
+_define("transfer(int runtime, int plan, Tensor[] deps) -> Tensor[]", transfer, _fake_leaves)
 
 
 def materialize(value: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ from .grouping import GroupSpec
 from .passes.fuse import EVICT as EVICT_STEP
 from .passes.schedule import ADOPT, CARRY, FETCH
 from .policy import OffloadPolicy
-from .subclasses import Path, RebuildSpec, leaf_at, leaf_paths, rebuild, rebuild_spec, set_leaf
+from .subclasses import Path, RebuildSpec, leaf_at, leaf_paths, own_storage, rebuild, rebuild_spec, set_leaf
 
 log = logging.getLogger("offload_compiler")
 
@@ -68,6 +68,14 @@ class Fault:
     group: int | None
     exception: BaseException
     times: int
+
+
+class TransferPlan(NamedTuple):
+    """A fused transfer: (is_evict, group, a, b) steps with (poison, park) for an evict and (key, mode) for a
+    prefetch; then the wait for ``key`` of ``group``, or its resident copy when ``key`` is None."""
+    steps: tuple[tuple[bool, int, int, int], ...]
+    key: int | None
+    group: int
 
 
 @dataclasses.dataclass
@@ -188,6 +196,7 @@ class DeviceSlot:
         self._buffers: list[torch.Tensor] | None = None
         self.ready = self.free = None  # CUDA events, made with the buffers
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
+        self._leaf_views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its plain leaves over the buffers
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -199,13 +208,24 @@ class DeviceSlot:
                 self.ready, self.free = torch.cuda.Event(), torch.cuda.Event()
         return self._buffers
 
+    def leaves(self, group: "Group") -> tuple[torch.Tensor, ...]:
+        """Each plain leaf of ``group`` (in `Group.leaves` order) over this slot's buffers with its layout, made
+        at the first use and the same tensors on every call. Each has a storage object of its own over the
+        slot's memory: the ``transfer`` op returns them together, and a custom op's outputs must not share
+        storage (AOT autograd checks it); they are never written, and inductor never reuses them."""
+        made = self._leaf_views.get(group.index)
+        if made is None:
+            buffers = self.buffers
+            made = self._leaf_views[group.index] = tuple(own_storage(leaf.host_view(buffers[leaf.bucket]))
+                                                         for leaf in group.leaves)
+        return made
+
     def weights(self, group: "Group") -> tuple[torch.Tensor, ...]:
-        """Each weight of ``group`` over this slot's buffers, as the insert pass describes it (a view per leaf; a
+        """Each weight of ``group`` over this slot's buffers, as the insert pass describes it (its leaf; a
         subclass weight rebuilt around its leaves), made at the first use and the same tensors on every call."""
         made = self._views.get(group.index)
         if made is None:
-            buffers = self.buffers
-            leaves = iter([leaf.host_view(buffers[leaf.bucket]) for leaf in group.leaves])
+            leaves = iter(self.leaves(group))
             made = self._views[group.index] = tuple(
                 next(leaves) if s.rebuild is None else rebuild(s.rebuild, leaves) for s in group.slots)
         return made
@@ -455,6 +475,8 @@ class OffloadRuntime:
         self.carry_hits = 0
         self._copy_stream = None
         self._fetch_keys = itertools.count(1)
+        self._transfer_plans: list[TransferPlan] = []  # see `plan_transfer`
+        self._transfer_plan_index: dict[TransferPlan, int] = {}
         _RUNTIMES[self.id] = self
 
     # -- layout, used by the passes and by the ops' fake implementations -------------------------
@@ -575,14 +597,18 @@ class OffloadRuntime:
     def _refresh_host(self, group: Group) -> None:
         """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
         flat buffer."""
-        for leaf in [leaf for leaf in group.leaves if leaf.value.data_ptr() != leaf.host_ptr]:
-            value = leaf.value
-            if group.buckets[leaf.bucket].owner is None:
-                view = leaf.host_view(group.buckets[leaf.bucket].host)
-                with torch.no_grad():
-                    view.copy_(value.detach())
-                leaf.assign(view)
-                leaf.host_ptr = leaf.value.data_ptr()
+        for leaf in group.leaves:  # once per leaf per fetch: a plain weight's leaf is the weight itself
+            if (leaf.value if leaf.path else leaf.tensor).data_ptr() != leaf.host_ptr:
+                self._repack(group, leaf)
+
+    @staticmethod
+    def _repack(group: Group, leaf: Leaf) -> None:
+        if group.buckets[leaf.bucket].owner is None:  # an owner bucket is read from the leaf itself
+            view = leaf.host_view(group.buckets[leaf.bucket].host)
+            with torch.no_grad():
+                view.copy_(leaf.value.detach())
+            leaf.assign(view)
+            leaf.host_ptr = leaf.value.data_ptr()
 
     def prefetch(self, key: int, group: int, mode: int = FETCH) -> None:
         """FETCH: copy now; ADOPT: take the copy the previous call carried for ``key`` if still valid (same
@@ -632,15 +658,31 @@ class OffloadRuntime:
         slot = self._wait(key, group)
         return slot.weights(self.groups[slot.group])
 
-    def transfer(self, steps: list[int], key: int, group: int) -> list[torch.Tensor]:
-        """The evicts and prefetches of ``steps`` (see `passes.fuse`), in order, then `wait`."""
-        for i in range(0, len(steps), 4):
-            kind, other, a, b = steps[i:i + 4]
-            if kind == EVICT_STEP:
-                self.evict(other, bool(a), bool(b))
+    def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
+        """Record a fused transfer of a compiled graph (`passes.fuse`): the evicts and prefetches of ``steps``
+        (kind, group, a, b), in order, then the wait for ``key`` (None: the resident copy of ``group``). Returns
+        its index for `run_transfer`; the graph passes one int per call instead of the steps."""
+        plan = TransferPlan(tuple((kind == EVICT_STEP, g, a, b) for kind, g, a, b in steps), key, group)
+        index = self._transfer_plan_index.get(plan)
+        if index is None:
+            index = self._transfer_plan_index[plan] = len(self._transfer_plans)
+            self._transfer_plans.append(plan)
+        return index
+
+    def transfer_group(self, plan: int) -> int:
+        """The group whose leaves `run_transfer` returns for ``plan`` (as compiled: before any remap)."""
+        return self._transfer_plans[plan].group
+
+    def run_transfer(self, plan: int) -> tuple[torch.Tensor, ...]:
+        """A planned transfer: its steps, then the group's leaves over its slot, ready for compute."""
+        steps, key, group = self._transfer_plans[plan]
+        for is_evict, other, a, b in steps:
+            if is_evict:
+                self.evict(other, a, b)
             else:
                 self.prefetch(a, other, b)
-        return self._wait(key, group).buffers
+        slot = self._resident_slot(group) if key is None else self._wait(key, group)
+        return slot.leaves(self.groups[slot.group])
 
     def _wait(self, key: int, group: int) -> DeviceSlot:
         group = self._actual(group)

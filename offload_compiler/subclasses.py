@@ -80,15 +80,19 @@ def set_leaf(tensor: torch.Tensor, path: Path, value: torch.Tensor) -> None:
         return
     if value.storage_offset() != 0:
         # dynamo cannot fakify a subclass whose inner tensor starts inside its storage (torch's meta_utils: "Attempted
-        # to set the storage of a tensor on device cpu to a storage on different device meta"), so the inner tensor
-        # aliases the same bytes through a storage that begins at it; that storage slice does not own its bytes,
-        # so the alias keeps the buffer it was cut from alive
-        start = value.storage_offset() * value.element_size()
-        storage = value.untyped_storage()[start:start + _span(value) * value.element_size()]
-        alias = torch.empty(0, dtype=value.dtype, device=value.device).set_(storage, 0, value.shape, value.stride())
-        alias._offload_base = value
-        value = alias
+        # to set the storage of a tensor on device cpu to a storage on different device meta")
+        value = own_storage(value)
     setattr(leaf_at(tensor, path[:-1]), path[-1], value)
+
+
+def own_storage(value: torch.Tensor) -> torch.Tensor:
+    """``value``'s bytes, shape and strides through a storage object of its own that begins at its first element.
+    The storage slice does not own its bytes, so the alias keeps the tensor it was cut from alive."""
+    start = value.storage_offset() * value.element_size()
+    storage = value.untyped_storage()[start:start + _span(value) * value.element_size()]
+    alias = torch.empty(0, dtype=value.dtype, device=value.device).set_(storage, 0, value.shape, value.stride())
+    alias._offload_base = value
+    return alias
 
 
 def _span(tensor: torch.Tensor) -> int:

@@ -106,10 +106,26 @@ def test_host_overhead_small(tmp_path):
                             "accelerate-cpu_offload", "vllm-functional_call"}
     for name, r in methods.items():
         assert "error" not in r, (name, r.get("error"))
-        assert r["call_s_median"] > 0 and r["minor_faults_per_call_median"] >= 0 and r["max_abs_diff"] < 1e-4
-        assert name.startswith("plain-") or "host_us_per_group" in r
+        assert r["wall_s_median"] > 0 and r["cpu_s_median"] > 0 and r["minor_faults_median"] >= 0
+        assert r["max_abs_diff"] < 1e-4
+        assert name.startswith("plain-") or {"host_us_per_group", "host_cpu_us_per_group"} <= set(r)
     for name in ("ours-eager", "ours-inductor"):
         assert methods[name]["fetches_per_call"] == 4 and methods[name]["bytes_per_call"] > 0  # offloading happened
+        assert set(data["summary"][name]) >= {"wall", "cpu", "faults_per_call"}
+
+
+def test_decode_small(tmp_path):
+    out = tmp_path / "decode.json"
+    _run("decode.py", "--layers", "2", "--hidden", "64", "--prompt", "4", "--tokens", "3", "--rounds", "2",
+         "--methods", "plain-eager", "ours-eager", "diffusers-group-block", "--out", str(out))
+    methods = json.loads(out.read_text())["methods"]
+    for name, r in methods.items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["same_tokens"] and r["wall_s_median"] > 0 and r["cpu_s_median"] > 0
+    ours = methods["ours-eager"]
+    assert ours["over_plain"] > 0 and ours["over_floor"] > 0
+    # one token streams every decoder layer (and what else is offloaded) once: offloading happened
+    assert ours["fetches_per_call"] >= 2 and ours["bytes_per_call"] > 0
 
 
 def test_profile_overlap_summary_measures_copies_hidden_behind_kernels():

@@ -1,5 +1,6 @@
 """The per-group host work after verification: eagerly, direct runtime calls over ready-made views; under
-inductor, one fused transfer op per wait. Both run exactly the verified plan: same fetches, bytes and peak."""
+inductor, one fused transfer op per wait, passing one int and returning ready-made leaves. Both run exactly the
+verified plan: same fetches, bytes and peak."""
 
 from __future__ import annotations
 
@@ -37,25 +38,52 @@ def _count(gm, target) -> int:
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_fusing_folds_every_evict_and_prefetch_before_a_wait_into_it(prefetch):
-    gm, _, plan, _ = _rewritten(OffloadPolicy(strategy="layerwise", device="cpu", prefetch=prefetch))
+    gm, num_outputs, plan, runtime = _rewritten(OffloadPolicy(strategy="layerwise", device="cpu", prefetch=prefetch))
     waits, evicts, prefetches = (_count(gm, op) for op in (OPS.wait.default, OPS.evict.default, OPS.prefetch.default))
+    residents = _count(gm, OPS.resident.default)
     last_wait = max(i for i, n in enumerate(gm.graph.nodes) if n.target is OPS.wait.default)
     evicts_after_last_wait = sum(1 for i, n in enumerate(gm.graph.nodes)
                                  if n.target is OPS.evict.default and i > last_wait)
-    fused = fuse_transfers(copy.deepcopy(gm))
+    fused = fuse_transfers(copy.deepcopy(gm), runtime.plan_transfer, runtime.layout, num_outputs)
     transfers = [n for n in fused.graph.nodes if n.target is OPS.transfer.default]
-    assert len(transfers) == waits == plan.verified.fetches
-    assert _count(fused, OPS.wait.default) == 0 and _count(fused, OPS.prefetch.default) == 0
+    plans = [runtime._transfer_plans[t.args[1]] for t in transfers]
+    assert len(transfers) == waits + residents and waits == plan.verified.fetches
+    assert sum(p.key is None for p in plans) == residents
+    assert not {n.target for n in fused.graph.nodes} & {OPS.wait.default, OPS.prefetch.default,
+                                                         OPS.resident.default, torch.ops.aten.as_strided.default}
     assert _count(fused, OPS.evict.default) == evicts_after_last_wait  # nothing left to fold them into
-    steps = [t.args[1][i:i + 4] for t in transfers for i in range(0, len(t.args[1]), 4)]
-    assert sum(1 for s in steps if s[0] == PREFETCH) == prefetches
-    assert sum(1 for s in steps if s[0] == EVICT) == evicts - evicts_after_last_wait
+    steps = [step for p in plans for step in p.steps]
+    assert sum(1 for s in steps if not s[0]) == prefetches
+    assert sum(1 for s in steps if s[0]) == evicts - evicts_after_last_wait
     # the fetch keys are those of the verified graph, in its order
-    assert [(t.args[2], t.args[3]) for t in transfers] == [
+    assert [(p.group, p.key) for p in plans if p.key is not None] == [
         n.args[1:3] for n in gm.graph.nodes if n.target is OPS.wait.default]
-    for earlier, later in zip(transfers, transfers[1:]):  # each fused op ordered after the previous one by data
+    fetching = [t for t, p in zip(transfers, plans) if p.key is not None]
+    for earlier, later in zip(fetching, fetching[1:]):  # each fused op ordered after the previous one by data
         assert any(d.op == "call_function" and d.target is operator.getitem and d.args[0] is earlier
-                   for d in later.args[4])
+                   for d in later.args[2])
+    # no slot memory is a graph output any more: the model's outputs and the unconsumed tokens only
+    outputs = next(n for n in fused.graph.nodes if n.op == "output").args[0]
+    assert not any(o.target is operator.getitem and o.args[0] in transfers for o in outputs[max(num_outputs, 1):])
+
+
+def test_fused_transfer_returns_each_leaf_with_its_layout_once_made():
+    gm, num_outputs, plan, runtime = _rewritten(OffloadPolicy(strategy="layerwise", device="cpu"))
+    fused = fuse_transfers(copy.deepcopy(gm), runtime.plan_transfer, runtime.layout, num_outputs)
+    transfer = max((n for n in fused.graph.nodes if n.target is OPS.transfer.default
+                    and runtime._transfer_plans[n.args[1]].key is not None),
+                   key=lambda n: len(runtime.groups[runtime._transfer_plans[n.args[1]].group].leaves))
+    planned = runtime._transfer_plans[transfer.args[1]]
+    group = runtime.groups[planned.group]
+    leaves = OPS.transfer.default(runtime.id, runtime.plan_transfer((), planned.key, planned.group), [])
+    assert len(leaves) == len(group.leaves) > 1
+    for leaf, spec in zip(leaves, group.leaves):
+        assert leaf.shape == spec.shape and leaf.stride() == spec.stride
+        assert torch.equal(leaf, spec.value.detach())  # the slot's copy of the host weight
+    # one storage object per leaf (a custom op's outputs may not share one), over the slot's one buffer
+    assert len({leaf.untyped_storage()._cdata for leaf in leaves}) == len(leaves)
+    (buffer,) = runtime._live[group.index].buffers
+    assert all(buffer.data_ptr() <= leaf.data_ptr() < buffer.data_ptr() + buffer.nbytes for leaf in leaves)
 
 
 def test_eager_lowering_leaves_no_op_and_no_view_per_weight():
@@ -89,6 +117,7 @@ def test_lean_paths_move_the_planned_bytes_with_views_made_once(compiler):
         assert torch.allclose(m(x), expected, atol=1e-5)  # debug_poison: a read after an evict would be NaN
         runtime = m._offload_runtime
         views = {id(slot): dict(slot._views) for slots in runtime.pool.slots.values() for slot in slots}
+        leaves = {id(slot): dict(slot._leaf_views) for slots in runtime.pool.slots.values() for slot in slots}
         reset_offload_stats(m)
         for _ in range(3):
             assert torch.allclose(m(x), expected, atol=1e-5)
@@ -98,7 +127,86 @@ def test_lean_paths_move_the_planned_bytes_with_views_made_once(compiler):
     assert stats.bytes_transferred == 3 * sum(g.nbytes for g in runtime.groups if g.streamed)
     assert stats.peak_resident_bytes == plan.verified.peak_bytes
     after = {id(slot): dict(slot._views) for slots in runtime.pool.slots.values() for slot in slots}
-    if compiler == "eager":  # the same view objects every call: none made per fetch
+    leaves_after = {id(slot): dict(slot._leaf_views) for slots in runtime.pool.slots.values() for slot in slots}
+    # the same view objects every call: none made per fetch (inductor takes the leaves, eager the weights)
+    assert leaves_after == leaves and any(leaves.values())
+    if compiler == "eager":
         assert after == views and any(views.values())
     else:
-        assert not any(after.values())  # inductor views the buffers itself (reinterpret_tensor)
+        assert not any(after.values())
+
+
+class _ReadsWeightsPointwise(torch.nn.Module):
+    """Weights read by pointwise kernels, then activations of the very same size and dtype: the buffers inductor
+    would reuse for them, were the weights' memory its own to reuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(4, 64))
+        self.shift = torch.nn.Parameter(torch.randn(4, 64))
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        b = torch.relu(self.lin(x)) * self.scale.sin()
+        d = self.lin(b) + self.shift.cos()
+        return self.lin(self.lin(d) * 3) - 1
+
+
+def test_inductor_never_writes_an_activation_into_a_weight():
+    """Resident weights stay on the device between calls: one overwritten by an activation would be wrong from
+    the second call on (it was, before the transfer's leaves were marked never-reuse)."""
+    torch.manual_seed(0)
+    model, x = _ReadsWeightsPointwise().eval(), torch.randn(4, 64)
+    expected = model(x).detach()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="budget", offload_gb=0, device="cpu",
+                                                            compiler="inductor"))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(m(x), expected)
+    assert all(not g.streamed for g in m._offload_runtime.groups)
+
+
+def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypatch):
+    """The compiled graph skips inductor's per-leaf size and alignment checks. With them on, every leaf passes
+    (the fake layouts are what the op returns), and exactly the leaves whose address is not 16-byte aligned are
+    declared unaligned (inductor's check reads the storage offset, which is 0 for every leaf, so only the
+    declaration keeps a kernel from assuming alignment): a 3-element bias misaligns the leaf after it."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    import offload_compiler.lowering as lowering
+    monkeypatch.setattr(lowering, "_INDUCTOR_CONFIG", {"size_asserts": True, "alignment_asserts": True})
+
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 8))
+                                              for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)[..., :3] * 2
+            return x
+
+    torch.manual_seed(0)
+    model, x = Odd().eval(), torch.randn(2, 3)
+    expected = model(x).detach()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor",
+                                                            blocks_attr="blocks"))
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(m, x)
+        torch.testing.assert_close(out, expected)
+    runtime = m._offload_runtime
+    plan_of = {name: int(plan) for name, plan in re.findall(
+        r"(buf\d+) = torch\.ops\.offload_compiler\.transfer\.default\(\d+, (\d+),", code)}
+    leaves = {name: (plan_of[op], int(i)) for name, op, i in re.findall(r"(buf\d+) = (buf\d+)\[(\d+)\]", code)
+              if op in plan_of}
+    declared = set(re.findall(r"# buffer (buf\d+) \(op: [^)]*transfer[^)]*\) is assumed to be not aligned", code))
+    slots = [slot for _, (slot, _) in runtime._resident.items()] + [
+        slot for slots in runtime.pool.slots.values() for slot in slots]
+    made = {}  # group -> its leaves as the op returned them
+    for slot in slots:
+        for group, views in slot._leaf_views.items():
+            made.setdefault(group, views)
+    unaligned = {name for name, (plan, i) in leaves.items() if made[runtime.transfer_group(plan)][i].data_ptr() % 16}
+    assert leaves and unaligned and declared == unaligned
+    assert code.count("assert_alignment(") >= len(leaves) - len(unaligned)

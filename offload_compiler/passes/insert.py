@@ -3,8 +3,9 @@
 Order is carried by data (DESIGN.md): each prefetch takes the previous prefetch's token and the tokens of
 the evicts emitted since it; each wait takes the newest prefetch token and the evicts emitted since the last
 wait; each evict takes the fetched views and every node that reads them. Tokens nobody consumes, and every fetched
-or resident view, become extra graph outputs that the caller drops: the views are fixed device slots, which
-inductor must never free, reuse for activations or write in place, and a graph output it never does.
+or resident view, become extra graph outputs that the caller drops: nothing is dead code, and the views, which
+are fixed device slots, are never reused for another value. The lowerings (`lowering`, `passes.fuse`) keep what
+their compiler needs of this.
 """
 
 from __future__ import annotations
