@@ -125,25 +125,49 @@ def have_matplotlib() -> bool:
 
 # -- side-by-side timing of methods in one process (host_overhead, decode) ---------------------------------
 
-def interleave(prepare: dict[str, Callable[[], Callable[[], None]]], rounds: int, calls: int) -> dict[str, dict]:
-    """Time ``calls`` steps of every method per round, the methods in turn, for ``rounds`` rounds; per method the
-    medians over rounds, per step, of wall seconds, this process's CPU seconds (all its threads: what other
-    processes on a shared machine cannot inflate much) and minor page faults. ``prepare[name]()`` runs untimed
-    before each round's steps and returns the step."""
-    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in prepare}
+STACK_DEPTHS = 8  # see `interleave`
+
+
+def at_depth(depth: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` called from ``depth`` more Python frames."""
+    return fn() if depth == 0 else at_depth(depth - 1, fn)
+
+
+def interleave(prepare: dict[str, Callable[[], Callable[[], None]]], rounds: int, calls: int,
+               depths: int = STACK_DEPTHS) -> dict[str, dict]:
+    """Time ``calls`` steps of every method, the methods in turn, from each of ``depths`` Python stack depths,
+    for ``rounds`` rounds. ``prepare[name]()`` runs untimed before each batch and returns the step.
+
+    Per method: wall seconds, this process's CPU seconds (all its threads: what other processes on a shared
+    machine inflate least) and minor page faults, per step: the median over rounds at each depth, then the mean
+    over depths. Why depths: CPython keeps frames in 16 KiB chunks and frees a chunk as soon as the frame that
+    opened it returns, so Python work that keeps crossing a chunk boundary pays an mmap, a munmap and page faults
+    per crossing; where the boundary falls depends on how deep the caller's stack is, which a user does not
+    choose. One fixed depth would measure luck."""
+    samples: dict[str, list[list[tuple[float, float, float]]]] = {name: [[] for _ in range(depths)]
+                                                                  for name in prepare}
+
+    def batch(step) -> tuple[float, float, float]:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(calls):
+            step()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return wall / calls, cpu / calls, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / calls
+
     for _ in range(rounds):
-        for name, make in prepare.items():
-            step = make()
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            cpu, wall = time.process_time(), time.perf_counter()
-            for _ in range(calls):
-                step()
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-            samples[name].append((wall / calls, cpu / calls, faults / calls))
-    return {name: {"wall_s_median": statistics.median(s[0] for s in runs),
-                   "cpu_s_median": statistics.median(s[1] for s in runs),
-                   "minor_faults_median": statistics.median(s[2] for s in runs)} for name, runs in samples.items()}
+        for depth in range(depths):
+            for name, make in prepare.items():
+                step = make()
+                samples[name][depth].append(at_depth(depth, lambda: batch(step)))
+    out = {}
+    for name, by_depth in samples.items():
+        medians = [[statistics.median(s[k] for s in runs) for k in range(3)] for runs in by_depth]
+        out[name] = {"wall_s": statistics.fmean(m[0] for m in medians),
+                     "cpu_s": statistics.fmean(m[1] for m in medians),
+                     "minor_faults": statistics.fmean(m[2] for m in medians),
+                     "wall_s_by_depth": [m[0] for m in medians], "minor_faults_by_depth": [m[2] for m in medians]}
+    return out
 
 
 def against_baseline(results: dict[str, dict], baseline: dict[str, str], default: str = "plain-eager"):

@@ -2,7 +2,7 @@
 
 A tiny Llama (transformers, built from a config, random weights) prefills a prompt once per round; then each
 method decodes ``--tokens`` tokens greedily from a copy of that cache, one forward per token. Methods in this
-one process, interleaved round by round, medians of the time per token:
+one process, interleaved round by round and from several stack depths (`common.interleave`), time per token:
 
   plain-eager / plain-inductor   the model itself (eager; torch.compile with inductor)
   ours-eager / ours-inductor     offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, against_baseline, environment, exact_command, interleave,  # noqa: E402
-                    moved_per_call, write_json)
+                    STACK_DEPTHS, moved_per_call, write_json)
 from host_overhead import functional_call_offload  # noqa: E402
 
 METHODS = ("plain-eager", "plain-inductor", "ours-eager", "ours-inductor", "diffusers-group-block",
@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens prefilled once per round")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens decoded per method per round")
-    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds; the medians are over these")
+    parser.add_argument("--tokens", type=int, default=8, help="tokens decoded per method per round and stack depth")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the medians are over these")
+    parser.add_argument("--depths", type=int, default=STACK_DEPTHS, help="Python stack depths (common.interleave)")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args(argv)
@@ -131,16 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
     source, target = torch.empty(streamed, dtype=torch.uint8), torch.empty(streamed, dtype=torch.uint8)
     with torch.no_grad():
         timed = interleave({name: (lambda fn=fn: Decoder(fn, cache, first)) for name, fn in runs.items()},
-                           args.rounds, args.tokens)
+                           args.rounds, args.tokens, args.depths)
     copy_s = statistics.median(_copy_seconds(source, target) for _ in range(args.rounds))
     results = {name: {**timed[name], **info[name]} for name in runs}
     for name, r, base in against_baseline(results, BASELINE):
         r["baseline"] = BASELINE.get(name, "plain-eager")
-        r["over_plain"] = r["wall_s_median"] / base["wall_s_median"]
-        r["over_plain_cpu"] = r["cpu_s_median"] / base["cpu_s_median"]
+        r["over_plain"] = r["wall_s"] / base["wall_s"]
+        r["over_plain_cpu"] = r["cpu_s"] / base["cpu_s"]
         if name.startswith("ours-"):
-            r["copy_floor_s"] = base["wall_s_median"] + copy_s
-            r["over_floor"] = r["wall_s_median"] / r["copy_floor_s"]
+            r["copy_floor_s"] = base["wall_s"] + copy_s
+            r["over_floor"] = r["wall_s"] / r["copy_floor_s"]
     for name, error in errors.items():
         results[name] = {"error": error}
     summary = {name: {"over_plain": results.get(name, {}).get("over_plain"),
@@ -155,11 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
     write_json(args.out, data)
     for name, r in results.items():
         print(f"{name:24s} " + (r["error"] if "error" in r else
-                                f"{r['wall_s_median'] * 1e3:8.3f} ms/token  "
+                                f"{r['wall_s'] * 1e3:8.3f} ms/token  "
                                 f"{r.get('over_plain', float('nan')):5.2f}x plain  "
                                 f"({r.get('over_plain_cpu', float('nan')):5.2f}x on CPU time)  "
                                 f"{r.get('over_floor', float('nan')):5.2f}x copy floor  "
-                                f"{r['minor_faults_median']:8.1f} faults/token"
+                                f"{r['minor_faults']:8.1f} faults/token"
                                 + ("" if r.get("same_tokens", True) else "  TOKENS DIFFER")))
     print(summary)
     return data

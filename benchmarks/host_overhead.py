@@ -3,7 +3,8 @@
 A stack of tiny residual blocks (two 64x64 linears each, batch 1, one torch thread) runs so little compute that
 the time an offloaded call takes beyond the plain model's is the offloader's host work: its hooks or graph ops,
 its copies (device ``cpu``: a memcpy) and its allocations. Methods, all in this one process, interleaved round
-by round, medians:
+by round and from several Python stack depths (`common.interleave`: where CPython's frame chunks end decides
+whether per-group Python work pays an mmap/munmap per group):
 
   plain-eager / plain-inductor   the model itself (eager; torch.compile with inductor)
   ours-eager / ours-inductor     offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
@@ -11,7 +12,7 @@ by round, medians:
   accelerate-cpu_offload         accelerate.cpu_offload(model, execution_device=cpu)
   vllm-functional_call           each block copies its state dict per forward and runs torch.func.functional_call
 
-Per method: median seconds per call, wall and this process's CPU time (`common.interleave`), host µs per streamed
+Per method: seconds per call, wall and this process's CPU time, host µs per streamed
 group beyond the plain model on both clocks (ours-inductor against plain-inductor, everything else against
 plain-eager), and minor page faults per call (``getrusage``).
 
@@ -30,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, against_baseline, environment, exact_command, interleave,  # noqa: E402
-                    moved_per_call, write_json)
+                    STACK_DEPTHS, moved_per_call, write_json)
 
 METHODS = ("plain-eager", "plain-inductor", "ours-eager", "ours-inductor", "diffusers-group-block",
            "accelerate-cpu_offload", "vllm-functional_call")
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds; the medians are over these")
-    parser.add_argument("--calls", type=int, default=20, help="calls per method per round")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the medians are over these")
+    parser.add_argument("--calls", type=int, default=10, help="calls per method per round and stack depth")
+    parser.add_argument("--depths", type=int, default=STACK_DEPTHS, help="Python stack depths (common.interleave)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=RESULTS / "host_overhead.json")
@@ -133,12 +135,12 @@ def main(argv: list[str] | None = None) -> dict:
             runs.pop(name, None)
     with torch.no_grad():
         timed = interleave({name: (lambda fn=fn: lambda: fn(x)) for name, fn in runs.items()}, args.rounds,
-                           args.calls)
+                           args.calls, args.depths)
     results = {name: {**timed[name], **info[name]} for name in runs}
     for name, r, base in against_baseline(results, BASELINE):
         r["baseline"] = BASELINE.get(name, "plain-eager")
-        r["host_us_per_group"] = (r["wall_s_median"] - base["wall_s_median"]) / args.blocks * 1e6
-        r["host_cpu_us_per_group"] = (r["cpu_s_median"] - base["cpu_s_median"]) / args.blocks * 1e6
+        r["host_us_per_group"] = (r["wall_s"] - base["wall_s"]) / args.blocks * 1e6
+        r["host_cpu_us_per_group"] = (r["cpu_s"] - base["cpu_s"]) / args.blocks * 1e6
     for name, error in errors.items():
         results[name] = {"error": error}
     summary = _summary(results)
@@ -148,10 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
     write_json(args.out, data)
     for name, r in results.items():
         print(f"{name:24s} " + (r["error"] if "error" in r else
-                                f"{r['wall_s_median'] * 1e3:8.3f} ms/call  "
+                                f"{r['wall_s'] * 1e3:8.3f} ms/call  "
                                 f"{r.get('host_us_per_group', float('nan')):7.1f} us/group  "
                                 f"{r.get('host_cpu_us_per_group', float('nan')):7.1f} CPU us/group  "
-                                f"{r['minor_faults_median']:7.1f} faults/call"))
+                                f"{r['minor_faults']:7.1f} faults/call"))
     print(summary)
     return data
 
@@ -164,7 +166,7 @@ def _summary(results: dict) -> dict:
         diffusers = results.get("diffusers-group-block", {}).get(key)
         for name in ("ours-eager", "ours-inductor"):
             value = results.get(name, {}).get(key)
-            out.setdefault(name, {"faults_per_call": results.get(name, {}).get("minor_faults_median"),
+            out.setdefault(name, {"faults_per_call": results.get(name, {}).get("minor_faults"),
                                   "target_us": 15})[clock] = {
                 "us_per_group": value, "meets_us_target": value is not None and value <= 15,
                 "over_diffusers": value / diffusers if value is not None and diffusers else None}

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import weakref
 
-_RUNTIMES: "weakref.WeakValueDictionary[int, OffloadRuntime]" = weakref.WeakValueDictionary()  # noqa: F821
+# id -> a weak reference to the runtime: a plain dict, so a lookup on the hot path (one per transfer op) runs no
+# Python frame; a runtime's entry goes with it
+_RUNTIMES: "dict[int, weakref.ref]" = {}
+
+
+def register(runtime) -> None:
+    runtime_id = runtime.id
+    _RUNTIMES[runtime_id] = weakref.ref(runtime, lambda _: _RUNTIMES.pop(runtime_id, None))
 
 
 def runtime_by_id(runtime_id: int) -> "OffloadRuntime":  # noqa: F821
-    runtime = _RUNTIMES.get(runtime_id)
+    ref = _RUNTIMES.get(runtime_id)
+    runtime = ref() if ref is not None else None
     if runtime is None:
         raise RuntimeError(f"offload runtime {runtime_id} no longer exists (its model was garbage-collected)")
     return runtime

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ._registry import _RUNTIMES
+from ._registry import register
 from .grouping import GroupSpec
 from .passes.fuse import EVICT as EVICT_STEP
 from .passes.schedule import ADOPT, CARRY, FETCH
@@ -477,7 +477,7 @@ class OffloadRuntime:
         self._fetch_keys = itertools.count(1)
         self._transfer_plans: list[TransferPlan] = []  # see `plan_transfer`
         self._transfer_plan_index: dict[TransferPlan, int] = {}
-        _RUNTIMES[self.id] = self
+        register(self)
 
     # -- layout, used by the passes and by the ops' fake implementations -------------------------
     def bucket_layout(self, group: int) -> list[tuple[int, torch.dtype]]:
