@@ -418,6 +418,10 @@ class _OffloadedForward:
         self.forward = getattr(type(module), method).__get__(module)
         self.through = _TraceThrough(self)
         self._compiled = None
+        try:  # inspect.signature(m.forward) is the method's own (transformers' generate checks kwargs against it)
+            self.__signature__ = inspect.signature(self.forward)
+        except (TypeError, ValueError):  # no signature to give
+            pass
 
     def recompile(self) -> None:
         """The runtime was rebuilt (``auto`` planned a pipeline's denoiser): compile again at the next call."""
@@ -694,10 +698,11 @@ def _entry_methods(module: nn.Module) -> tuple[str, ...]:
 
 def install_forwards(model: nn.Module, state: OffloadState) -> None:
     """The model's forward and entry methods (unless it is a pipeline's stand-in), its groups' containers'
-    forwards, and its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``)."""
+    forwards and entry methods (a VLM's ``m.model.get_image_features``, which ``generate`` calls on its own), and
+    its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``)."""
     names = _group_names(state, model)
     wanted = [(model, True, True)] if model is state.owner else []
-    wanted += [(model.get_submodule(n), True, False) for n in _containers_of_groups(model, names)]
+    wanted += [(model.get_submodule(n), True, True) for n in _containers_of_groups(model, names)]
     wanted += [(model.get_submodule(n), False, True) for n in _component_names(state, model)]
     for module, must_graph, entries in wanted:
         for method in ("forward",) + (_entry_methods(module) if entries else ()):

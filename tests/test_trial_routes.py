@@ -3,6 +3,7 @@ own forward installs (transformers' output capture), models that ask for their o
 ``torch.compile(backend="omni_offload")`` in a process where other offloaded models already ran."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -151,3 +152,43 @@ def test_an_infeasible_auto_budget_names_how_to_change_it_and_changes_nothing():
                                                          device_budget_gb=error.value.needed_bytes / 2**30))
     with torch.no_grad():
         assert torch.equal(m(x), plain(x))
+
+
+def test_an_offloaded_forward_has_the_methods_signature():
+    """transformers' generate checks its kwargs against inspect.signature(model.forward): before the fix it saw
+    (*args, **kwargs) and refused pixel_values ("model_kwargs are not used by the model")."""
+    model = _stack()
+    expected = inspect.signature(model.forward)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    assert inspect.signature(m.forward) == expected
+
+
+def _llava():
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=8, patch_size=4, projection_dim=16)
+    text = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=60,
+                                      vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                      image_seq_length=4)
+    ids = torch.randint(3, 59, (1, 10), generator=torch.Generator().manual_seed(0))
+    ids[0, 2:6] = 60  # the image's 4 patches
+    pixels = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    return transformers.LlavaForConditionalGeneration(config).eval(), ids, pixels
+
+
+@pytest.mark.slow  # a vision tower and a language model captured for the prefill and the decoding steps
+def test_generate_of_a_vision_language_model_streams_the_plan():
+    """generate() calls the image encoder on its own (m.model.get_image_features, on a container of groups):
+    routed through its own offloaded graph. Before the fix it was refused (run from Python, host weights)."""
+    model, ids, pixels = _llava()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True))
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=3, do_sample=False)
+        assert torch.equal(m.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=3, do_sample=False),
+                           expected)
+    assert_traffic_matches_plan(m)
+    runtime = m._offload_runtime
+    fetched = {runtime.groups[i.group].name for p in runtime.graph_plans for i in p.schedule.instances}
+    assert {g.name for g in runtime.groups if g.name.startswith("model.vision_tower.encoder")} <= fetched
