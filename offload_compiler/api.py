@@ -11,7 +11,8 @@ from torch import nn
 from ._dynamo import compiled_module_of
 from .planning import auto
 from .planning.auto import OffloadPlan
-from .offloaded import OffloadState, OffloadedModule, detach, offload_module, offload_pipeline, state_of
+from .offloaded import (OffloadState, OffloadedModule, detach, install_output_capture, offload_module,
+                        offload_pipeline, state_of)
 from .policy import OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
@@ -106,6 +107,7 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
     model is planned as its own forward, as it would be at its first call."""
     state = state_of(model)
     if state is None:
+        install_output_capture(model)  # as offloading would: its lazy installation breaks the graph
         return auto.plan_offload(model, policy, *args, **kwargs)
     with state.lock, state.tracing_through():
         return auto.plan_offload(compiled_module_of(model), policy, *args, **kwargs)

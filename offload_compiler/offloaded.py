@@ -28,6 +28,7 @@ import inspect
 import logging
 import sys
 import threading
+import types
 import warnings
 from typing import Any, Iterator
 
@@ -87,9 +88,20 @@ class OffloadState:
             raise RuntimeError(OFFLOAD_ENDED)
         if self.refused is not None:
             raise RuntimeError(self.refused)
-        changed = self.hooks.change()
+        changed = None if self.routing else self.hooks.change()  # during a call: the model's own (`adopt_hooks`)
         if changed is not None:
             raise RuntimeError(HOOKS_REFUSED.format(model=self.name, action=changed))
+
+    def adopt_hooks(self) -> None:
+        """At the end of an offloaded call: hooks that the model's own forward registered or removed during it are
+        the model's (transformers installs its output-capturing hooks at the first call with
+        ``output_hidden_states=True`` or ``output_attentions=True``); that call's graph was traced with them. They
+        are taken as the model's hooks, and the graphs captured before them are captured again at their next call
+        (dynamo does not guard hooks, so those graphs would silently skip them)."""
+        if self.hooks.change() is not None:
+            self.hooks.accept()
+            for forward in self.forwards.values():
+                forward.recompile()
 
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
@@ -160,8 +172,14 @@ class OffloadState:
         forwards of the chosen groups."""
         if self.plan is None:
             model = self.owner
-            with self.tracing_through():
-                plan = plan_offload(model, self.policy, *args, **kwargs)
+            try:
+                with self.tracing_through():
+                    plan = plan_offload(model, self.policy, *args, **kwargs)
+            except InfeasibleBudgetError as error:  # every later call plans again, with the same budget
+                error.add_note(f"{self.name} is offloaded with this budget and stays unplanned (nothing moved, its "
+                               f"weights are unchanged); to change the budget: offload_compile(remove_offload(m), "
+                               f"policy.replace(device_budget_gb=...))")
+                raise
             self.runtime = planned_runtime(model, self.policy, plan)
             self.plan = plan
             install_forwards(model, self)
@@ -377,6 +395,12 @@ class HookWatch:
         self.handles = RemovableHandle.next_id  # handles made elsewhere (another model): nothing here changed
         return None
 
+    def accept(self) -> None:
+        """The hooks as they are now are the model's (`OffloadState.adopt_hooks`)."""
+        self.keys = [tuple(hooks) for hooks in self.dicts]
+        self.size = sum(map(len, self.dicts))
+        self.handles = RemovableHandle.next_id
+
 
 # -- forwards ------------------------------------------------------------------------------------------------
 
@@ -394,6 +418,10 @@ class _OffloadedForward:
         self.forward = getattr(type(module), method).__get__(module)
         self.through = _TraceThrough(self)
         self._compiled = None
+        try:  # inspect.signature(m.forward) is the method's own (transformers' generate checks kwargs against it)
+            self.__signature__ = inspect.signature(self.forward)
+        except (TypeError, ValueError):  # no signature to give
+            pass
 
     def recompile(self) -> None:
         """The runtime was rebuilt (``auto`` planned a pipeline's denoiser): compile again at the next call."""
@@ -418,8 +446,12 @@ class _OffloadedForward:
             runtime.used_groups.clear()
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
             grad = torch.is_grad_enabled()
-            with torch.no_grad(), state.limits, state.tracing_through(), measure:
-                out = self._run(runtime, args, kwargs)
+            try:
+                with torch.no_grad(), state.limits, state.tracing_through(), measure:
+                    out = self._run(runtime, args, kwargs)
+            finally:
+                if not state.routing:
+                    state.adopt_hooks()
             if runtime.graph_calls == calls and (self._must_graph or any(g.streamed for g in runtime.groups)):
                 raise RuntimeError(
                     f"{state.name} ran without its offloaded graph: torch.compile fell back to plain eager "
@@ -458,7 +490,7 @@ class _OffloadedForward:
 
     def _run(self, runtime: OffloadRuntime, args: tuple, kwargs: dict) -> Any:
         if self._compiled is None:
-            self._compiled = torch.compile(self.forward, backend=RuntimeBackend(runtime),
+            self._compiled = torch.compile(_own_frame(self.forward), backend=RuntimeBackend(runtime),
                                            fullgraph=runtime.policy.fullgraph)
         try:
             return self._compiled(*args, **kwargs)
@@ -518,6 +550,21 @@ class _OffloadedForward:
             warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
                           f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=5)
         return args, kwargs
+
+
+def _own_frame(function: Any) -> Any:
+    """``function``, called from a frame whose code object belongs to this one forward. Dynamo keeps its compiled
+    graphs (and counts recompiles) on the code object of the frame it compiles. Compiling the module's forward
+    itself would put the graphs of every offloaded model of a class -- of every transformers class, whose
+    forwards share one decorator ``wrapper`` -- on that shared code object: a later ``torch.compile`` of any model
+    with that forward (``backend="omni_offload"`` included) would then meet dynamo's recompile limit at its
+    first call and silently run un-compiled (for ``omni_offload``: un-offloaded), and every call of every model
+    would check all those graphs' guards. Dynamo traces into ``function`` from here (inlined, no cache entry)."""
+    def offloaded_call(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+    code = offloaded_call.__code__.replace()  # a new code object, not shared with any other forward
+    return types.FunctionType(code, offloaded_call.__globals__, offloaded_call.__name__, offloaded_call.__defaults__,
+                              offloaded_call.__closure__)
 
 
 class _TraceThrough:
@@ -651,10 +698,11 @@ def _entry_methods(module: nn.Module) -> tuple[str, ...]:
 
 def install_forwards(model: nn.Module, state: OffloadState) -> None:
     """The model's forward and entry methods (unless it is a pipeline's stand-in), its groups' containers'
-    forwards, and its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``)."""
+    forwards and entry methods (a VLM's ``m.model.get_image_features``, which ``generate`` calls on its own), and
+    its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``)."""
     names = _group_names(state, model)
     wanted = [(model, True, True)] if model is state.owner else []
-    wanted += [(model.get_submodule(n), True, False) for n in _containers_of_groups(model, names)]
+    wanted += [(model.get_submodule(n), True, True) for n in _containers_of_groups(model, names)]
     wanted += [(model.get_submodule(n), False, True) for n in _component_names(state, model)]
     for module, must_graph, entries in wanted:
         for method in ("forward",) + (_entry_methods(module) if entries else ()):
@@ -670,11 +718,32 @@ def _attach(owner: Any, state: OffloadState, modules: list[nn.Module]) -> None:
     """Swap the classes of ``modules`` (the model, or a pipeline's components) and watch every hook dict."""
     owner.__dict__[STATE_ATTR] = state
     for module in modules:
+        install_output_capture(module)
         state.classes.append((module, type(module)))
         module.__class__ = _offloaded_class(type(module))
         module.__dict__[STATE_ATTR] = state
         for sub in module.modules():
             state.hooks.add(sub)
+
+
+def install_output_capture(model: nn.Module) -> None:
+    """Install transformers' output-capturing forward hooks now, as its first call with ``output_hidden_states``
+    or ``output_attentions`` would (they stay inactive unless a call asks for those outputs). Installed lazily,
+    from inside the first such call -- which many models make themselves (a segmentation or detection head, a
+    vision-language model reading its vision tower's hidden states) -- they are taken under a threading lock,
+    which dynamo cannot trace: that call's graph breaks (``strategy="auto"``, which plans from one graph, is
+    refused), and the hooks appear after the graphs were captured. Installed before offloading, the graphs are
+    captured with them from the start."""
+    if "transformers" not in sys.modules:  # then no module here is a transformers model
+        return
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers version without lazy output capture
+        return
+    for sub in model.modules():  # outermost first: each installs its submodels' hooks
+        if isinstance(sub, PreTrainedModel):
+            maybe_install_capturing_hooks(sub)
 
 
 def offload_module(model: nn.Module, policy: OffloadPolicy) -> OffloadState:

@@ -35,6 +35,7 @@ CASES = [
     ("convnext", "budget"), ("sd3", "layerwise"), ("wan", "budget"), ("ltx_video", "layerwise_p2"),
     ("cogvideox", "sequential"), ("hunyuan_video", "layerwise"), ("qwen_image", "budget"),
     ("controlnet", "layerwise"), ("sd3_controlnet", "sequential"), ("vae_roundtrip", "layerwise_p2"),
+    ("segformer", "budget"), ("wav2vec2", "layerwise"), ("pixart", "layerwise_p2"), ("granitemoe", "sequential"),
 ]
 
 # where blocks must be found (no declaration on these classes: discovery by the outermost ModuleLists)

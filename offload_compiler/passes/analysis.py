@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Iterable
 
 import torch
@@ -48,7 +49,15 @@ def _storage(value) -> StorageWeakRef | None:
     return None
 
 
+def _aliases(value, storage: StorageWeakRef | None) -> bool:
+    """Whether ``value`` is a tensor over ``storage`` (None -- no tensor, or no storage -- aliases nothing)."""
+    other = _storage(value)
+    return storage is not None and other is not None and other == storage
+
+
 def _is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is operator.setitem:  # x[i] = y writes x
+        return True
     if node.op == "call_method":
         name = str(node.target)
     elif node.op == "call_function":
@@ -75,7 +84,8 @@ def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
         if node.op == "output":
             unordered = True
             continue
-        if _is_inplace(node) and node.args and _storage(_value(node.args[0])) == storage and storage is not None:
+        if _is_inplace(node) and node.args and isinstance(node.args[0], fx.Node) and _aliases(
+                _value(node.args[0]), storage):
             raise WeightMutatedError(
                 f"the forward modifies weight {weight_name!r} in place ({node.format_node()}); offloaded weights "
                 f"must be read-only. Keep it resident: OffloadPolicy(offload_buffers=False) for buffers")
@@ -84,11 +94,10 @@ def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
             stack.extend(node.users)
             if not node.users:
                 unordered = True
-        elif storage is not None and _storage(value) == storage:
+        elif _aliases(value, storage):
             stack.extend(node.users)
-        elif isinstance(value, torch.Tensor):
+        else:  # reads the data: a tensor result, or none at all (x[mask] = weight writes it into x, returns None)
             leaves.append(node)
-        # non-tensor results (sizes, dtypes) read no data
     return Reads(direct, tuple(dict.fromkeys(leaves)), unordered)
 
 

@@ -66,7 +66,12 @@ def _plain_readers(graph: fx.Graph, leaves: list[fx.Node]) -> list[fx.Node]:
     plain = []
     for leaf in leaves:
         value = _value(leaf)
-        if is_traceable_subclass(value):
+        if not isinstance(value, torch.Tensor):
+            # a reader with no tensor result: ``x[mask] = weight`` (operator.setitem) wrote the weight into x, so
+            # the evict is ordered after the write through x (functionalized, x after the write is its new value)
+            plain.extend(a for a in leaf.args[:1] if leaf.target is operator.setitem and isinstance(a, fx.Node)
+                         and isinstance(_value(a), torch.Tensor))
+        elif is_traceable_subclass(value):
             parts = graph.call_function(plain_leaves, (leaf,))
             plain.extend(graph.call_function(operator.getitem, (parts, i)) for i in range(len(plain_leaves(value))))
         else:
@@ -100,8 +105,10 @@ def _feeds_only_externs(node: fx.Node) -> bool:
 def needs_materializing(reader: fx.Node) -> bool:
     """Inductor may re-compute this weight reader's value inside a consumer's kernel (pointwise readers,
     gathers) that runs after the weight's evict; extern kernels (matmuls, convolutions, attention), and
-    readers that only feed them, always get a buffer of their own."""
-    return reader.op in ("call_function", "call_method") and not _is_extern(reader) and not _feeds_only_externs(reader)
+    readers that only feed them, always get a buffer of their own; so does a tensor written in place
+    (``x[mask] = weight``: a reader with no value of its own, ordered before the evict through ``x``)."""
+    return (reader.op in ("call_function", "call_method") and isinstance(_value(reader), torch.Tensor)
+            and not _is_extern(reader) and not _feeds_only_externs(reader))
 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,

@@ -87,7 +87,8 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
         for reader in found:
             if not position[fetch] < position[reader] < position[evict]:
                 raise ScheduleError(f"{reader.format_node()} reads {placeholder.name} outside its fetch window")
-            if reader not in ordered:
+            written = reader.target is operator.setitem and reader.args[0] in ordered  # ordered through x in x[i] = w
+            if reader not in ordered and not written:
                 raise ScheduleError(f"the evict of {placeholder.name} does not depend on {reader.format_node()}")
 
     prefetches = [n for n in nodes if n.target is OPS.prefetch.default]

@@ -286,6 +286,18 @@ ARCHITECTURES = {
                      depths=[1, 1], num_heads=[2, 2], window_size=4),
     "convnext": _encoder("ConvNextConfig", "ConvNextModel", _pixels(32), hidden_sizes=[8, 16], depths=[1, 1],
                          num_stages=2),
+    # a segmentation head that calls its encoder with output_hidden_states=True (transformers' output capture)
+    "segformer": _encoder("SegformerConfig", "SegformerForSemanticSegmentation", _pixels(32), num_encoder_blocks=2,
+                          depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], num_attention_heads=[1, 2],
+                          patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2], decoder_hidden_size=16, num_labels=3),
+    # speech: a convolutional feature encoder on raw audio, a convolutional position embedding, then blocks; 3 of
+    # the 19 frames masked, which writes the masked_spec_embed weight into the activations (h[mask] = weight)
+    "wav2vec2": _encoder("Wav2Vec2Config", "Wav2Vec2Model",
+                         lambda g: {"input_values": torch.randn(1, 400, generator=g),
+                                    "mask_time_indices": torch.arange(19).remainder(6).eq(0)[None]},
+                         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+                         conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=16,
+                         num_conv_pos_embedding_groups=2, do_stable_layer_norm=True),
     # diffusers
     "sd3": _diffusers("SD3Transformer2DModel", lambda g: {
         "hidden_states": torch.randn(1, 4, 8, 8, generator=g), **_TEXT(g),
@@ -332,5 +344,13 @@ ARCHITECTURES = {
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
         joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
         pos_embed_max_size=16),
+    "pixart": _diffusers("PixArtTransformer2DModel", lambda g: {
+        "hidden_states": torch.randn(1, 4, 8, 8, generator=g), **_TEXT(g), "timestep": torch.tensor([3])},
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=16, norm_num_groups=1,
+        use_additional_conditions=False),
     "vae_roundtrip": vae_roundtrip,
+    # decoder MoE with granite's scaled residuals and logits
+    "granitemoe": _causal_lm("GraniteMoeConfig", "GraniteMoeForCausalLM", **_LM, num_local_experts=4,
+                             num_experts_per_tok=2),
 }

@@ -1,0 +1,71 @@
+"""The analysis, insert and verify passes on a weight that a forward writes into its activations
+(``x[mask] = weight``: wav2vec2's masked_spec_embed) or into a buffer (refused)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import OffloadPolicy, offload_compile
+from offload_compiler.testing import assert_traffic_matches_plan
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x)
+
+
+class MaskedInput(nn.Module):
+    """wav2vec2's masking: ``h[mask] = self.masked_spec_embed`` writes a weight into the activations (operator.setitem,
+    whose graph node has no result)."""
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self, write_buffer: bool = False) -> None:
+        super().__init__()
+        self.masked_embed = nn.Parameter(torch.randn(8))
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.register_buffer("history", torch.zeros(4, 8))
+        self.write_buffer = write_buffer
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = x.clone()
+        h[mask] = self.masked_embed.to(h.dtype)
+        for block in self.blocks:
+            h = block(h)
+        if self.write_buffer:  # a buffer written in place by the forward: must stay resident
+            self.history[0] = h[0, 0]
+        return h + self.history.sum()
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_weight_written_into_the_activations_is_read_inside_its_fetch(compiler):
+    """Before the fix the analysis pass crashed on the setitem node (its value is None: AttributeError 'cdata'),
+    so wav2vec2 called with mask_time_indices could not be offloaded."""
+    torch.manual_seed(0)
+    model = MaskedInput().eval()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True, compiler=compiler))
+    x, mask = torch.randn(2, 5, 8), torch.tensor([[True, False, False, True, False]] * 2)
+    with torch.no_grad():
+        for _ in range(2):
+            got, expected = m(x, mask), plain(x, mask)
+            assert torch.equal(got, expected) if compiler == "eager" else torch.allclose(got, expected, atol=1e-6)
+    stats = assert_traffic_matches_plan(m)
+    assert stats.fetch_count >= 2 * len(m._offload_runtime.groups)  # the root group (masked_embed) included
+
+
+def test_a_buffer_written_by_setitem_is_refused_and_the_model_is_unchanged():
+    torch.manual_seed(0)
+    model = MaskedInput(write_buffer=True).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    x, mask = torch.randn(2, 5, 8), torch.zeros(2, 5, dtype=torch.bool)
+    with pytest.raises(Exception, match="modifies weight .*history.* in place.*offload_buffers=False"):
+        with torch.no_grad():
+            m(x, mask)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
