@@ -4,6 +4,14 @@ import tempfile
 # inductor's FX-graph cache does not key on custom-op tags; keep each run's compiled code to itself
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="offload_compiler_inductor_"))
 
+# Under pytest-xdist (`-n 2`, see pyproject.toml) each worker gets one core's worth of work: one intra-op thread
+# and inductor compiling in-process, so that two workers do not oversubscribe a 2-core machine (idle spinning
+# OpenMP threads and a pool of compile subprocesses per worker). Set before torch (and inductor's config) load.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # and the subprocesses some tests start (examples, ranks)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -13,6 +21,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+if XDIST_WORKER:
+    torch.set_num_threads(1)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

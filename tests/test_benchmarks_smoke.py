@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
@@ -53,6 +55,7 @@ def test_pass_cost_small(tmp_path):
     assert prof["total_s"] > 0 and "function" in prof["by_cumulative_time"][0]
 
 
+@pytest.mark.slow  # every method on two workloads, and host-RSS subprocesses: ~25 s
 def test_gpu_harness_smoke(tmp_path):
     out = tmp_path / "gpu_smoke.json"
     methods = ["none", "ours-layerwise-p1-eager", "ours-layerwise-p1wrap-eager", "ours-budget-eager",
@@ -144,6 +147,7 @@ def test_profile_overlap_summary_measures_copies_hidden_behind_kernels():
     assert module.overlap_summary({"traceEvents": []}) == {"gpu_events": 0}
 
 
+@pytest.mark.slow  # fresh processes per sample: ~10 s
 def test_first_output_small(tmp_path):
     out = tmp_path / "first_output.json"
     _run("first_output.py", "--models", "stack", "--rounds", "1", "--out", str(out))

@@ -98,7 +98,7 @@ def test_the_rest_of_the_model_stays_on_the_device_and_is_reported():
     assert "kept on the device" in str(stats)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])  # inductor: ~70 s
 def test_model_level_offload_on_a_diffusion_container(compiler):
     model, kwargs = diffusion_container()
     report = assert_offload_equivalent(model, OffloadPolicy(strategy="model", compiler=compiler, **CPU), **kwargs)
@@ -134,6 +134,7 @@ def test_model_level_without_dit_or_encoders_warns_and_offloads_nothing(keep, me
 
 # -- real Qwen2.5-Omni architectures (tiny, random weights) ----------------------------------------------
 
+@pytest.mark.slow  # ~12 s; the alternating strategy's fast tests are the small models above
 def test_qwen25_omni_thinker_text_image_audio_offloads_visual_and_audio_tower():
     from offload_compiler.testing.omni_models import omni_thinker
     model, kwargs = omni_thinker()
@@ -144,6 +145,7 @@ def test_qwen25_omni_thinker_text_image_audio_offloads_visual_and_audio_tower():
     assert report.bytes_transferred >= visual + audio
 
 
+@pytest.mark.slow  # ~20 s
 def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav():
     from offload_compiler.testing.omni_models import omni_full_with_inputs, run_stages
     model, inputs = omni_full_with_inputs()

@@ -28,12 +28,12 @@ def _two_ranks(case: str, compiler: str, tmp_path, backend: str = "gloo") -> lis
     env = dict(os.environ, OFFLOAD_TWO_RANKS_OUT=str(tmp_path),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "offload_compiler.testing.two_ranks", case, compiler, backend],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # inductor on a loaded 2-core machine: >120 s
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_tensor_parallel_streams_each_ranks_shards(compiler, tmp_path):
     ranks = _two_ranks("tp", compiler, tmp_path)
     # up: columns sharded (weight and bias); down: rows sharded, its bias replicated
@@ -50,6 +50,7 @@ def test_tensor_parallel_streams_each_ranks_shards(compiler, tmp_path):
         assert f"rank={r['rank']}/2" in r["plan"] and "DTensor weights" in r["plan"]
 
 
+@pytest.mark.slow  # two ranks in subprocesses, ~15 s; tensor parallel (eager) stays in the fast subset
 def test_pipeline_parallel_offloads_each_stage(tmp_path):
     ranks = _two_ranks("pp", "eager", tmp_path)
     block = ((WIDTH * HIDDEN + HIDDEN) + (HIDDEN * WIDTH + WIDTH)) * F32

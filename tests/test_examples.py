@@ -10,13 +10,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.mark.parametrize("script, expected", [
-    ("decode_loop.py", "tokens equal the plain model's greedy decoding: True"),
-    ("diffusion_model_level.py", "outputs equal: True"),
-    ("diffusers_pipeline.py", "outputs equal: True"),
-    ("multistage_omni.py", "outputs equal the plain model: True"),
+    pytest.param("decode_loop.py", "tokens equal the plain model's greedy decoding: True", marks=pytest.mark.slow),
+    pytest.param("diffusion_model_level.py", "outputs equal: True", marks=pytest.mark.slow),
+    ("diffusers_pipeline.py", "outputs equal: True"),  # the fast subset runs one example in a fresh process
+    pytest.param("multistage_omni.py", "outputs equal the plain model: True", marks=pytest.mark.slow),
 ])
 def test_example_runs_and_checks_its_outputs(script, expected, tmp_path):
-    result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=600,  # multistage_omni on a loaded machine: >300 s
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()

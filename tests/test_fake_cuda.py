@@ -1,6 +1,8 @@
 """On a CPU-only build: run the rewritten graph with fake CUDA activations. Any compute op that still read
 a host weight would raise a device mismatch; the unrewritten graph does (so the check has teeth)."""
 
+import copy
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -44,14 +46,27 @@ def _run_fake(gm, example_inputs, weight_ids):
         return gm(*args)
 
 
+_CAPTURED = {}
+
+
+def _captured(builder):
+    """The model and its aten graph as if captured on a GPU, once per builder for the four strategies (the
+    capture is the slow part; each test rewrites its own copy of the graph)."""
+    if builder not in _CAPTURED:
+        model, kwargs = builder()
+        kwargs["use_cache"] = False  # a cache's tensor constants would be host tensors of the capture, not weights
+        gm, example_inputs = capture(model, fullgraph=True, **kwargs)
+        # aten level: Python indexing on a fake CUDA tensor needs a CUDA build, aten.slice does not
+        gm = _as_if_captured_on_cuda(make_fx(gm, tracing_mode="fake")(*example_inputs))
+        _CAPTURED[builder] = model, gm, example_inputs
+    model, gm, example_inputs = _CAPTURED[builder]
+    return model, copy.deepcopy(gm), example_inputs
+
+
 @pytest.mark.parametrize("builder", [llama, gpt2])
 @pytest.mark.parametrize("strategy", ["layerwise", "budget", "sequential", "none"])
 def test_no_compute_op_sees_a_host_weight(builder, strategy):
-    model, kwargs = builder()
-    kwargs["use_cache"] = False  # a cache's tensor constants would be host tensors of the capture, not weights
-    gm, example_inputs = capture(model, fullgraph=True, **kwargs)
-    # aten level: Python indexing on a fake CUDA tensor needs a CUDA build, aten.slice does not
-    gm = _as_if_captured_on_cuda(make_fx(gm, tracing_mode="fake")(*example_inputs))
+    model, gm, example_inputs = _captured(builder)
     weight_ids = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
     with pytest.raises(Exception, match="device"):
         _run_fake(gm, example_inputs, weight_ids)  # the plain graph mixes cuda activations and host weights

@@ -107,7 +107,7 @@ def test_eager_lowering_reads_quantized_weights_rebuilt_once_per_slot():
     assert _count(lowered, rebuild_weight) == 0 and _count(lowered, torch.ops.aten.as_strided.default) == 0
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_lean_paths_move_the_planned_bytes_with_views_made_once(compiler):
     model, x = build_block_model(SPEC, 5)
     expected = model(x).detach()

@@ -255,7 +255,7 @@ def test_an_op_failing_midway(compiler):
     torch.testing.assert_close(m(x, ids), expected)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage, exception", [("fetch", RuntimeError("copy engine fault")),
                                               ("evict", KeyboardInterrupt())])
 def test_failure_inside_a_transfer_reaches_the_caller_unchanged(compiler, stage, exception):

@@ -15,7 +15,7 @@ from offload_compiler import (OffloadedModule, OffloadPolicy, inject_fault, offl
 from offload_compiler.testing.models import _diffusion_parts, llama, unet
 from offload_compiler.testing import assert_traffic_matches_plan
 
-COMPILERS = ["eager", "inductor"]
+COMPILERS = ["eager", pytest.param("inductor", marks=pytest.mark.slow)]  # inductor: every route compiled, ~30 s
 
 
 def _llama():
