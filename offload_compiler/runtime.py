@@ -203,7 +203,9 @@ class DeviceSlot:
         """Allocated at the slot's first fill (the first call), not when a graph is planned: planning touches no
         device memory (and a graph can be rewritten for a device this process cannot allocate on)."""
         if self._buffers is None:
-            self._buffers = [torch.empty(numel, dtype=dtype, device=self.device) for numel, dtype in self.size_class]
+            with torch.inference_mode(False):  # ordinary tensors, whichever mode the first call ran in
+                self._buffers = [torch.empty(numel, dtype=dtype, device=self.device)
+                                 for numel, dtype in self.size_class]
             if self.device.type == "cuda":
                 self.ready, self.free = torch.cuda.Event(), torch.cuda.Event()
         return self._buffers
@@ -216,8 +218,9 @@ class DeviceSlot:
         made = self._leaf_views.get(group.index)
         if made is None:
             buffers = self.buffers
-            made = self._leaf_views[group.index] = tuple(own_storage(leaf.host_view(buffers[leaf.bucket]))
-                                                         for leaf in group.leaves)
+            with torch.inference_mode(False):
+                made = self._leaf_views[group.index] = tuple(own_storage(leaf.host_view(buffers[leaf.bucket]))
+                                                             for leaf in group.leaves)
         return made
 
     def weights(self, group: "Group") -> tuple[torch.Tensor, ...]:
@@ -226,8 +229,9 @@ class DeviceSlot:
         made = self._views.get(group.index)
         if made is None:
             leaves = iter(self.leaves(group))
-            made = self._views[group.index] = tuple(
-                next(leaves) if s.rebuild is None else rebuild(s.rebuild, leaves) for s in group.slots)
+            with torch.inference_mode(False):
+                made = self._views[group.index] = tuple(
+                    next(leaves) if s.rebuild is None else rebuild(s.rebuild, leaves) for s in group.slots)
         return made
 
     def poison(self) -> None:
@@ -563,7 +567,8 @@ class OffloadRuntime:
         self._release(slot)
 
     def _pack(self, group: Group) -> None:
-        pack_group(group, self.pinned, self._pinning_failed, self._registrations)
+        with torch.inference_mode(False):  # deferred to the first call, which may run in inference mode
+            pack_group(group, self.pinned, self._pinning_failed, self._registrations)
 
     def _pinning_failed(self, reason: str) -> None:
         """Pinned memory could not be had: keep going with pageable host memory, saying so once."""

@@ -192,3 +192,25 @@ def test_generate_of_a_vision_language_model_streams_the_plan():
     runtime = m._offload_runtime
     fetched = {runtime.groups[i.group].name for p in runtime.graph_plans for i in p.schedule.instances}
     assert {g.name for g in runtime.groups if g.name.startswith("model.vision_tower.encoder")} <= fetched
+
+
+@pytest.mark.parametrize("compiler", ["eager", "omni_offload"])
+def test_first_call_in_inference_mode_then_no_grad(compiler):
+    """The first call allocates the device slots (and, through omni_offload, packs the host buffers): made as
+    ordinary tensors, a later call outside inference mode refills them."""
+    from offload_compiler.testing import BlockSpec, ModelSpec, build_block_model
+    model, x = build_block_model(ModelSpec(16, (BlockSpec("mlp", 32),) * 3, False, True, 4, 2), 2)
+    plain = copy.deepcopy(model)
+    if compiler == "eager":
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    else:
+        m = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu"})
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
+    target = m if compiler == "eager" else model
+    reset_offload_stats(target)
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
+    stats = offload_stats(target)
+    assert stats.fetch_count > 0 and stats.bytes_transferred > 0  # offloading happened outside inference mode
