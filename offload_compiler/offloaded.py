@@ -718,7 +718,8 @@ def _attach(owner: Any, state: OffloadState, modules: list[nn.Module]) -> None:
     """Swap the classes of ``modules`` (the model, or a pipeline's components) and watch every hook dict."""
     owner.__dict__[STATE_ATTR] = state
     for module in modules:
-        install_output_capture(module)
+        if module is owner:  # a model offloaded alone; a pipeline's components keep transformers' own installation
+            install_output_capture(module)
         state.classes.append((module, type(module)))
         module.__class__ = _offloaded_class(type(module))
         module.__dict__[STATE_ATTR] = state
