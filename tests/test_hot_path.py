@@ -16,7 +16,7 @@ from offload_compiler.grouping import plan_groups
 from offload_compiler.lowering import lower_for_eager
 from offload_compiler.passes.fuse import EVICT, PREFETCH, fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
-from offload_compiler.testing import BlockSpec, ModelSpec, build_block_model
+from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matches_plan, build_block_model
 
 OPS = torch.ops.offload_compiler
 SPEC = ModelSpec(16, (BlockSpec("mlp", 32), BlockSpec("attention", 1), BlockSpec("mlp", 16)), False, True, 4, 2)
@@ -161,9 +161,14 @@ def test_inductor_never_writes_an_activation_into_a_weight():
     m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="budget", offload_gb=0, device="cpu",
                                                             compiler="inductor"))
     with torch.no_grad():
-        for _ in range(3):
+        torch.testing.assert_close(m(x), expected)
+        assert all(not g.streamed for g in m._offload_runtime.groups)
+        runtime = m._offload_runtime
+        first = offload_stats(m)  # every weight read from its device copy, each group filled once
+        assert (first.fetch_count, first.bytes_transferred) == (len(runtime.groups), runtime.total_bytes)
+        for _ in range(2):
             torch.testing.assert_close(m(x), expected)
-    assert all(not g.streamed for g in m._offload_runtime.groups)
+        assert offload_stats(m).fetch_count == first.fetch_count  # resident: kept, not fetched again
 
 
 def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypatch):
@@ -195,6 +200,9 @@ def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypa
     with torch.no_grad():
         out, (code, *_) = run_and_get_code(m, x)
         torch.testing.assert_close(out, expected)
+        reset_offload_stats(m)
+        torch.testing.assert_close(m(x), expected)
+    assert_traffic_matches_plan(m)
     runtime = m._offload_runtime
     plan_of = {name: int(plan) for name, plan in re.findall(
         r"(buf\d+) = torch\.ops\.offload_compiler\.transfer\.default\(\d+, (\d+),", code)}

@@ -9,15 +9,7 @@ from torch import nn
 
 from offload_compiler import OffloadPolicy, offload_compile
 from offload_compiler.testing import assert_traffic_matches_plan
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.lin(x)
+from test_trial_routes import Block  # noqa: E402  (tests/ is on the path, as for capture.py)
 
 
 class MaskedInput(nn.Module):

@@ -212,5 +212,4 @@ def test_first_call_in_inference_mode_then_no_grad(compiler):
     for _ in range(2):
         with torch.no_grad():
             torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
-    stats = offload_stats(target)
-    assert stats.fetch_count > 0 and stats.bytes_transferred > 0  # offloading happened outside inference mode
+    assert_traffic_matches_plan(target)  # offloading happened outside inference mode, as planned
