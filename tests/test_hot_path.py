@@ -13,7 +13,7 @@ import torch
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
 from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
-from offload_compiler.lowering import lower_for_eager
+from offload_compiler.lowering import DIRECT_TRANSFER, lower_for_eager
 from offload_compiler.passes.fuse import EVICT, PREFETCH, fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matches_plan, build_block_model
@@ -30,6 +30,16 @@ def _rewritten(policy: OffloadPolicy, prepare=lambda model: model):
     runtime = OffloadRuntime(policy, plan_groups(model, policy), pack_now=False)
     new_gm, num_outputs, plan = rewrite_graph(gm, inputs, runtime)
     return new_gm, num_outputs, plan, runtime
+
+
+def _ancestors(node) -> set:
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _count(gm, target) -> int:
@@ -60,8 +70,15 @@ def test_fusing_folds_every_evict_and_prefetch_before_a_wait_into_it(prefetch):
         n.args[1:3] for n in gm.graph.nodes if n.target is OPS.wait.default]
     fetching = [t for t, p in zip(transfers, plans) if p.key is not None]
     for earlier, later in zip(fetching, fetching[1:]):  # each fused op ordered after the previous one by data
-        assert any(d.op == "call_function" and d.target is operator.getitem and d.args[0] is earlier
-                   for d in later.args[2])
+        assert earlier in _ancestors(later)
+    # each op waits for every reader of the groups it evicts, through the fewest deps: none implies another
+    readers = {(n.args[1], r.name) for n in gm.graph.nodes if n.target is OPS.evict.default for r in n.args[4]}
+    for transfer, p in zip(transfers, plans):
+        ancestors = {a.name for a in _ancestors(transfer)}
+        evicted = {group for is_evict, group, *_ in p.steps if is_evict}
+        assert {name for group, name in readers if group in evicted} <= ancestors
+        deps = transfer.args[2]
+        assert not any(d in _ancestors(other) for d in deps for other in deps if other is not d)
     # no slot memory is a graph output any more: the model's outputs and the unconsumed tokens only
     outputs = next(n for n in fused.graph.nodes if n.op == "output").args[0]
     assert not any(o.target is operator.getitem and o.args[0] in transfers for o in outputs[max(num_outputs, 1):])
@@ -204,8 +221,9 @@ def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypa
         torch.testing.assert_close(m(x), expected)
     assert_traffic_matches_plan(m)
     runtime = m._offload_runtime
+    assert "torch.ops.offload_compiler.transfer.default(" not in code  # called past the dispatcher
     plan_of = {name: int(plan) for name, plan in re.findall(
-        r"(buf\d+) = torch\.ops\.offload_compiler\.transfer\.default\(\d+, (\d+),", code)}
+        rf"(buf\d+) = {DIRECT_TRANSFER}\(\d+, (\d+),", code)}
     leaves = {name: (plan_of[op], int(i)) for name, op, i in re.findall(r"(buf\d+) = (buf\d+)\[(\d+)\]", code)
               if op in plan_of}
     declared = set(re.findall(r"# buffer (buf\d+) \(op: [^)]*transfer[^)]*\) is assumed to be not aligned", code))
@@ -218,3 +236,22 @@ def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypa
     unaligned = {name for name, (plan, i) in leaves.items() if made[runtime.transfer_group(plan)][i].data_ptr() % 16}
     assert leaves and unaligned and declared == unaligned
     assert code.count("assert_alignment(") >= len(leaves) - len(unaligned)
+
+
+def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_sees_each_one():
+    model, x = build_block_model(SPEC, 5)
+    expected = model(x).detach()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor"))
+    from torch._inductor.utils import run_and_get_code
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(m, x)
+        torch.testing.assert_close(out, expected)
+        assert "torch.ops.offload_compiler.transfer.default(" not in code and f"= {DIRECT_TRANSFER}(" in code
+        reset_offload_stats(m)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.testing.assert_close(m(x), expected)
+    assert_traffic_matches_plan(m)
+    runtime = m._offload_runtime
+    transfers = sum(e.count for e in prof.key_averages() if e.key == "offload_compiler::transfer")
+    assert transfers == code.count(f"= {DIRECT_TRANSFER}(") == len(runtime._transfer_plans)
+    assert offload_stats(m).fetch_count == runtime.graph_plans[0].verified.fetches

@@ -76,6 +76,7 @@ def fuse_transfers(gm: fx.GraphModule, plan: PlanTransfer, layout: dict[int, lis
             previous = _fuse(graph, pending, node, previous, plan, layout)
             pending = []
     _drop_slot_outputs(graph, num_outputs)
+    _drop_implied_deps(graph)
     graph.lint()
     gm.recompile()
     return gm
@@ -120,6 +121,34 @@ def _read_leaves(fetched: fx.Node, transfer: fx.Node, index: dict[tuple, int]) -
         graph.erase_node(item)
     graph.erase_node(fetched)
     return first
+
+
+def _drop_implied_deps(graph: fx.Graph) -> None:
+    """A transfer's deps keep only those no other of its deps depends on: inductor runs a kernel after
+    everything its inputs were computed from, and every dep is a buffer of its own (an extern reader's result,
+    a value `ops.materialize` copies, a leaf), so the dropped ones still run before the transfer. A leaf of an
+    earlier transfer that another dep depends on is implied too: all its leaves are ready together. A Llama layer's
+    transfer waits for one value instead of ten, and the readers between are freed as early as without offloading.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for transfer in [n for n in graph.nodes if n.target is OPS.transfer.default]:
+        deps = transfer.args[2]
+        if len(deps) < 2:
+            continue
+        earliest = min(order[d] for d in deps)
+        implied: set[fx.Node] = set()
+        stack = [a for d in deps for a in d.all_input_nodes]
+        while stack:
+            node = stack.pop()
+            if node not in implied:
+                implied.add(node)
+                if order[node] > earliest:  # nothing earlier than the earliest dep can be one
+                    stack.extend(node.all_input_nodes)
+        transfer.args = (*transfer.args[:2], [d for d in deps if d not in implied and not _leaf_of(d, implied)])
+
+
+def _leaf_of(node: fx.Node, transfers: set[fx.Node]) -> bool:
+    return node.target is operator.getitem and node.args[0] in transfers
 
 
 def _drop_slot_outputs(graph: fx.Graph, num_outputs: int) -> None:
