@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -126,24 +127,40 @@ def have_matplotlib() -> bool:
 # -- side-by-side timing of methods in one process (host_overhead, decode) ---------------------------------
 
 STACK_DEPTHS = 8  # see `interleave`
+# bytes: the size of the chunks CPython 3.11-3.13 keeps frames in (DATA_STACK_CHUNK_SIZE, Python/pystate.c)
+FRAME_CHUNK = 16 * 1024
 
 
-def at_depth(depth: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` called from ``depth`` more Python frames."""
-    return fn() if depth == 0 else at_depth(depth - 1, fn)
+@functools.cache
+def _padding(nbytes: int) -> Callable[[int, Callable[[], Any]], Any]:
+    """``pad(depth, fn)``: ``fn()`` called under ``depth`` frames of about ``nbytes`` each (a function with that
+    many local slots; they are never assigned)."""
+    names = " = ".join(f"_{i}" for i in range(max(nbytes // 8 - 16, 1)))
+    namespace: dict = {}
+    exec(f"def pad(depth, fn):\n    if False:\n        {names} = None\n"
+         f"    return fn() if depth == 0 else pad(depth - 1, fn)\n", namespace)
+    return namespace["pad"]
+
+
+def at_depth(depth: int, fn: Callable[[], Any], depths: int = STACK_DEPTHS) -> Any:
+    """``fn()`` called ``depth`` / ``depths`` of a frame chunk deeper into CPython's frame stack."""
+    return _padding(FRAME_CHUNK // depths)(depth, fn)
 
 
 def interleave(prepare: dict[str, Callable[[], Callable[[], None]]], rounds: int, calls: int,
                depths: int = STACK_DEPTHS) -> dict[str, dict]:
-    """Time ``calls`` steps of every method, the methods in turn, from each of ``depths`` Python stack depths,
-    for ``rounds`` rounds. ``prepare[name]()`` runs untimed before each batch and returns the step.
+    """Time ``calls`` steps of every method, the methods in turn, from ``depths`` places in CPython's frame stack
+    spread evenly over one frame chunk, for ``rounds`` rounds. ``prepare[name]()`` runs untimed before each batch
+    and returns the step.
 
     Per method: wall seconds, this process's CPU seconds (all its threads: what other processes on a shared
-    machine inflate least) and minor page faults, per step: the median over rounds at each depth, then the mean
-    over depths. Why depths: CPython keeps frames in 16 KiB chunks and frees a chunk as soon as the frame that
-    opened it returns, so Python work that keeps crossing a chunk boundary pays an mmap, a munmap and page faults
-    per crossing; where the boundary falls depends on how deep the caller's stack is, which a user does not
-    choose. One fixed depth would measure luck."""
+    machine inflate least) and minor page faults, per step: the median over rounds at each place, then the mean
+    over places (the expected cost where a caller's stack happens to put it), with the per-place medians kept.
+    Why places: CPython 3.11 keeps frames in 16 KiB chunks and frees a chunk as soon as the frame that opened it
+    returns, so Python work that keeps crossing a chunk boundary pays an mmap, a munmap and page faults per
+    crossing (python/cpython#142183, fixed by caching a chunk in 3.13 and 3.14 maintenance releases); where the
+    boundary falls depends on how deep the caller's stack is, which a user does not choose. One place would
+    measure luck; neighbouring places, a biased sample."""
     samples: dict[str, list[list[tuple[float, float, float]]]] = {name: [[] for _ in range(depths)]
                                                                   for name in prepare}
 
@@ -159,14 +176,14 @@ def interleave(prepare: dict[str, Callable[[], Callable[[], None]]], rounds: int
         for depth in range(depths):
             for name, make in prepare.items():
                 step = make()
-                samples[name][depth].append(at_depth(depth, lambda: batch(step)))
+                samples[name][depth].append(at_depth(depth, lambda: batch(step), depths))
     out = {}
     for name, by_depth in samples.items():
         medians = [[statistics.median(s[k] for s in runs) for k in range(3)] for runs in by_depth]
         out[name] = {"wall_s": statistics.fmean(m[0] for m in medians),
                      "cpu_s": statistics.fmean(m[1] for m in medians),
                      "minor_faults": statistics.fmean(m[2] for m in medians),
-                     "wall_s_by_depth": [m[0] for m in medians], "minor_faults_by_depth": [m[2] for m in medians]}
+                     "wall_s_by_place": [m[0] for m in medians], "minor_faults_by_place": [m[2] for m in medians]}
     return out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 from pathlib import Path
 
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
         r["baseline"] = BASELINE.get(name, "plain-eager")
         r["host_us_per_group"] = (r["wall_s"] - base["wall_s"]) / args.blocks * 1e6
         r["host_cpu_us_per_group"] = (r["cpu_s"] - base["cpu_s"]) / args.blocks * 1e6
+        by_place = [(a - b) / args.blocks * 1e6 for a, b in zip(r["wall_s_by_place"], base["wall_s_by_place"])]
+        r["host_us_per_group_by_place"] = by_place
+        r["host_us_per_group_median_place"] = statistics.median(by_place)
     for name, error in errors.items():
         results[name] = {"error": error}
     summary = _summary(results)
@@ -153,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 f"{r['wall_s'] * 1e3:8.3f} ms/call  "
                                 f"{r.get('host_us_per_group', float('nan')):7.1f} us/group  "
                                 f"{r.get('host_cpu_us_per_group', float('nan')):7.1f} CPU us/group  "
+                                f"{r.get('host_us_per_group_median_place', float('nan')):7.1f} us/group at the "
+                                f"median place  "
                                 f"{r['minor_faults']:7.1f} faults/call"))
     print(summary)
     return data
