@@ -718,8 +718,7 @@ def _attach(owner: Any, state: OffloadState, modules: list[nn.Module]) -> None:
     """Swap the classes of ``modules`` (the model, or a pipeline's components) and watch every hook dict."""
     owner.__dict__[STATE_ATTR] = state
     for module in modules:
-        if module is owner:  # a model offloaded alone; a pipeline's components keep transformers' own installation
-            install_output_capture(module)
+        install_output_capture(module)
         state.classes.append((module, type(module)))
         module.__class__ = _offloaded_class(type(module))
         module.__dict__[STATE_ATTR] = state
@@ -734,7 +733,12 @@ def install_output_capture(model: nn.Module) -> None:
     vision-language model reading its vision tower's hidden states) -- they are taken under a threading lock,
     which dynamo cannot trace: that call's graph breaks (``strategy="auto"``, which plans from one graph, is
     refused), and the hooks appear after the graphs were captured. Installed before offloading, the graphs are
-    captured with them from the start."""
+    captured with them from the start.
+
+    Installing on a model also installs on every model nested in it, whether or not that one has its hooks
+    already (it has once it was called with ``output_hidden_states``: CLIPTextModel inside
+    CLIPTextModelWithProjection, before offloading). A second set would record every layer twice: so a model
+    gets them only when none inside it has any, else its submodules are looked at in turn."""
     if "transformers" not in sys.modules:  # then no module here is a transformers model
         return
     try:
@@ -742,9 +746,18 @@ def install_output_capture(model: nn.Module) -> None:
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:  # a transformers version without lazy output capture
         return
-    for sub in model.modules():  # outermost first: each installs its submodels' hooks
-        if isinstance(sub, PreTrainedModel):
-            maybe_install_capturing_hooks(sub)
+
+    def hooked(module: nn.Module) -> bool:
+        return getattr(module, "_output_capturing_hooks_installed", False)
+
+    def install(module: nn.Module) -> None:
+        if isinstance(module, PreTrainedModel) and not any(hooked(sub) for sub in module.modules()):
+            maybe_install_capturing_hooks(module)
+            return
+        for child in module.children():
+            install(child)
+
+    install(model)
 
 
 def offload_module(model: nn.Module, policy: OffloadPolicy) -> OffloadState:

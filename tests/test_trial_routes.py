@@ -112,6 +112,30 @@ def test_output_hidden_states_after_offloading_streams_the_plan():
     assert stats.fetch_count == len(m._offload_runtime.groups)  # every group once
 
 
+def test_hidden_states_of_a_model_whose_inner_model_was_called_before_offloading_are_not_doubled():
+    """CLIPTextModelWithProjection holds a CLIPTextModel. Once called with output_hidden_states=True (before
+    offloading), the inner model has its capturing hooks; installing on the outer model then installed a second
+    set on the inner one, and every layer's hidden state was recorded twice: 11 hidden states for 5 layers, the
+    penultimate one (what SD3 reads) wrong. Silent, eager and inductor alike."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    torch.manual_seed(0)
+    config = CLIPTextConfig(vocab_size=100, hidden_size=32, intermediate_size=37, num_hidden_layers=5,
+                            num_attention_heads=4, projection_dim=16, bos_token_id=0, eos_token_id=1)
+    model = CLIPTextModelWithProjection(config).eval()
+    ids = torch.randint(2, 100, (1, 12))
+    with torch.no_grad():
+        expected = model(ids, output_hidden_states=True)  # the inner model's hooks are installed now
+        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu",
+                                                                blocks_attr="text_model.encoder.layers"))
+        reset_offload_stats(m)
+        got = m(ids, output_hidden_states=True)
+    assert len(got.hidden_states) == len(expected.hidden_states) == 6
+    assert all(torch.equal(g, e) for g, e in zip(got.hidden_states, expected.hidden_states))
+    assert torch.equal(got.text_embeds, expected.text_embeds)
+    stats = assert_traffic_matches_plan(m)
+    assert stats.fetch_count == len(m._offload_runtime.groups) > 5
+
+
 @pytest.mark.slow  # the auto planner: about 10 s on a shared 2-core machine
 def test_auto_plans_a_model_that_asks_for_its_own_hidden_states():
     """Segformer's segmentation head calls its encoder with output_hidden_states=True: before the fix the hooks'
