@@ -30,15 +30,25 @@ def exact_command() -> str:
     return " ".join(shlex.quote(a) for a in ["python", *argv])
 
 
-def git_commit() -> str | None:
+def git_commit(root: Path | None = None) -> str | None:
+    """The commit of ``root``'s checkout (default: this benchmark's), ``-dirty`` if tracked files changed."""
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = root or Path(__file__).resolve().parent.parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
     except Exception:
         return None
+
+
+def _library_tree() -> dict[str, str | None]:
+    try:
+        import offload_compiler
+    except ImportError:
+        return {"path": None, "git_commit": None}
+    tree = Path(offload_compiler.__file__).resolve().parent.parent
+    return {"path": str(tree), "git_commit": git_commit(tree)}
 
 
 def cpu_model() -> str:
@@ -72,6 +82,8 @@ def environment() -> dict[str, Any]:
         "host_memory_bytes": host_memory_bytes(),
         "cuda_available": torch.cuda.is_available(),
         "git_commit": git_commit(),
+        # the library measured: a tree given by PYTHONPATH (another commit, for a before/after) shows here
+        "offload_compiler": _library_tree(),
         "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if torch.cuda.is_available():
