@@ -329,8 +329,10 @@ _CLASSES: dict[type, type] = {}
 
 def _offloaded_class(cls: type) -> type:
     if cls not in _CLASSES:
-        # the model's own name in messages, plans and repr; isinstance(m, OffloadedModule) tells it is offloaded
-        namespace = {"__module__": cls.__module__, "__qualname__": f"Offloaded[{cls.__qualname__}]"}
+        # the model's own names: in messages, plans and repr, and for libraries that key what they know of a
+        # class on its name (transformers' output capture looks up str(model.__class__): under another name an
+        # offloaded BertModel returned no hidden states). isinstance(m, OffloadedModule) tells it is offloaded
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
         _CLASSES[cls] = type(cls.__name__, (OffloadedModule, cls), {**_guarded_methods(cls), **namespace})
     return _CLASSES[cls]
 
