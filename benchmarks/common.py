@@ -154,16 +154,17 @@ def _padding(nbytes: int) -> Callable[[int, Callable[[], Any]], Any]:
     return namespace["pad"]
 
 
-def at_depth(depth: int, fn: Callable[[], Any], depths: int = STACK_DEPTHS) -> Any:
-    """``fn()`` called ``depth`` / ``depths`` of a frame chunk deeper into CPython's frame stack."""
-    return _padding(FRAME_CHUNK // depths)(depth, fn)
+def at_depth(depth: int, fn: Callable[[], Any], depths: int = STACK_DEPTHS, step_bytes: int | None = None) -> Any:
+    """``fn()`` called ``depth`` steps deeper into CPython's frame stack; a step is ``step_bytes`` (default:
+    ``depths`` steps span one frame chunk)."""
+    return _padding(step_bytes or FRAME_CHUNK // depths)(depth, fn)
 
 
 def interleave(prepare: dict[str, Callable[[], Callable[[], None]]], rounds: int, calls: int,
-               depths: int = STACK_DEPTHS) -> dict[str, dict]:
+               depths: int = STACK_DEPTHS, step_bytes: int | None = None) -> dict[str, dict]:
     """Time ``calls`` steps of every method, the methods in turn, from ``depths`` places in CPython's frame stack
-    spread evenly over one frame chunk, for ``rounds`` rounds. ``prepare[name]()`` runs untimed before each batch
-    and returns the step.
+    spread evenly over one frame chunk (or ``step_bytes`` apart: a fine sweep of one stretch), for ``rounds``
+    rounds. ``prepare[name]()`` runs untimed before each batch and returns the step.
 
     Per method: wall seconds, this process's CPU seconds (all its threads: what other processes on a shared
     machine inflate least) and minor page faults, per step: the median over rounds at each place, then the mean
@@ -188,7 +189,7 @@ def interleave(prepare: dict[str, Callable[[], Callable[[], None]]], rounds: int
         for depth in range(depths):
             for name, make in prepare.items():
                 step = make()
-                samples[name][depth].append(at_depth(depth, lambda: batch(step), depths))
+                samples[name][depth].append(at_depth(depth, lambda: batch(step), depths, step_bytes))
     out = {}
     for name, by_depth in samples.items():
         medians = [[statistics.median(s[k] for s in runs) for k in range(3)] for runs in by_depth]

@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the medians are over these")
     parser.add_argument("--calls", type=int, default=10, help="calls per method per round and stack depth")
-    parser.add_argument("--depths", type=int, default=STACK_DEPTHS, help="Python stack depths (common.interleave)")
+    parser.add_argument("--depths", type=int, default=STACK_DEPTHS, help="Python stack places (common.interleave)")
+    parser.add_argument("--step-bytes", type=int, default=None,
+                        help="bytes between places (default: the places span one frame chunk); small steps sweep "
+                             "one stretch finely, to find where a chunk boundary falls")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=RESULTS / "host_overhead.json")
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs.pop(name, None)
     with torch.no_grad():
         timed = interleave({name: (lambda fn=fn: lambda: fn(x)) for name, fn in runs.items()}, args.rounds,
-                           args.calls, args.depths)
+                           args.calls, args.depths, args.step_bytes)
     results = {name: {**timed[name], **info[name]} for name in runs}
     for name, r, base in against_baseline(results, BASELINE):
         r["baseline"] = BASELINE.get(name, "plain-eager")

@@ -181,24 +181,32 @@ DIRECT_TRANSFER = "offload_transfer"  # the name inductor's generated Python cod
 
 
 def _call_directly(leaves: list) -> None:
-    """Inductor's Python wrapper calls the transfer's Python implementation itself, not the op: an op call from
-    the generated code goes through ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the
-    returned leaves, and back into Python (about 6 µs per group on this CPU, more than the transfer's own work).
-    The op's one implementation is that function, so nothing else changes. A C++ wrapper (AOTInductor) keeps
-    the op."""
-    from torch._inductor import ir
+    """Inductor's Python wrapper calls `ops.transfer_direct` itself, not the op: an op call from the generated
+    code goes through ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the returned
+    leaves, and back into Python (about 6 µs per group on this CPU, more than the transfer's own work). Both run
+    `OffloadRuntime.run_transfer`, so nothing else changes. A C++ wrapper (AOTInductor) keeps the op, and so does
+    an IR this function does not recognise (a torch version that shapes it otherwise): correct, only slower."""
     from torch._inductor.virtualized import V
-    kernels = {id(k): k for out in leaves
-               for k in getattr(getattr(getattr(out, "data", None), "data", None), "inputs", ())
-               if isinstance(k, ir.FallbackKernel)}
-    for kernel in kernels.values():
-        codegen = kernel.codegen
+    kernel = _fallback_kernel(leaves)
+    if kernel is None:
+        return
+    codegen = kernel.codegen
 
-        def direct_codegen(wrapper, kernel=kernel, codegen=codegen) -> None:
-            if not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False):
-                wrapper.add_import_once(f"from {transfer_direct.__module__} import "
-                                        f"{transfer_direct.__name__} as {DIRECT_TRANSFER}")
-                kernel.python_kernel_name = DIRECT_TRANSFER
-            codegen(wrapper)
+    def direct_codegen(wrapper) -> None:
+        if not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False):
+            wrapper.add_import_once(f"from {transfer_direct.__module__} import "
+                                    f"{transfer_direct.__name__} as {DIRECT_TRANSFER}")
+            kernel.python_kernel_name = DIRECT_TRANSFER
+        codegen(wrapper)
 
-        kernel.codegen = direct_codegen
+    kernel.codegen = direct_codegen
+
+
+def _fallback_kernel(leaves: list):
+    """The one extern kernel whose outputs ``leaves`` are (TensorBox → StorageBox → MultiOutput → kernel)."""
+    from torch._inductor import ir
+    node = leaves[0] if leaves else None
+    for _ in range(2):
+        node = getattr(node, "data", None)
+    kernel = next(iter(getattr(node, "inputs", None) or ()), None)
+    return kernel if isinstance(kernel, ir.FallbackKernel) else None
