@@ -56,7 +56,7 @@ def static_shapes():
 
 def user_frame(exc: BaseException) -> str | None:
     """``file.py:10 in forward: x = self.proj(x)``: the innermost line of the model's code that dynamo's report
-    (``from user code:``) names, outside torch itself."""
+    (``from user code:``) names, outside torch and offload_compiler."""
     seen, found = set(), None
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -65,7 +65,7 @@ def user_frame(exc: BaseException) -> str | None:
             lines = text.split("from user code:", 1)[1].splitlines()
             for i, line in enumerate(lines):
                 match = _FRAME.match(line)
-                if match and f"{os.sep}torch{os.sep}" not in match.group(1):
+                if match and not match.group(1).startswith(_NOT_USER_CODE):
                     code = lines[i + 1].strip() if i + 1 < len(lines) else ""
                     found = f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}: {code}"
             if found:
@@ -74,6 +74,7 @@ def user_frame(exc: BaseException) -> str | None:
     return None
 
 
+_NOT_USER_CODE = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -119,5 +120,17 @@ def traced_module(gm: torch.fx.GraphModule) -> nn.Module | None:
             root = (traced.f_locals if scope == "L" else traced.f_globals).get(name)
             if isinstance(root, nn.Module):
                 return root
+        frame = frame.f_back
+    return None
+
+
+def module_being_compiled() -> nn.Module | None:
+    """The model inside the ``torch.compile(model)`` wrapper whose call dynamo is compiling now (from the
+    wrapper's frame on the stack), or None when a function was compiled."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        wrapper = frame.f_locals.get("self")
+        if isinstance(wrapper, OptimizedModule):
+            return wrapper._orig_mod
         frame = frame.f_back
     return None

@@ -11,11 +11,15 @@ graphs could not see them).
 How a call reaches the weights, route by route:
 - a direct call, ``generate()``, a pipeline holding the object, a container or component called on its own:
   ``module.forward`` is an `_OffloadedForward`, which runs the module's own offloaded graph;
+- any other module holding offloaded weights, called from Python outside an offloaded call (by hand, from a
+  method of the model, from its forward reached around the instance attribute): ``module.forward`` is a
+  `_RoutedPart`, which runs that module's own offloaded graph;
 - the user's ``torch.compile`` around the model (or around code calling it): `_OffloadedForward.__call__`
   is ``torch.compiler.disable``d, so the model is a clean boundary in the user's graph (its own graph runs,
   already compiled as the policy says); under ``fullgraph=True`` dynamo's error names the reason;
 - our own capture: while the model's graph is captured or run, the installed forwards are swapped for
-  `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container);
+  `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container), and the
+  `_RoutedPart` objects are lifted (dynamo sees those modules as they are);
 - part of the forward run by dynamo without a graph (a graph break inside a loop): noticed, and every later
   call is refused, since those frames read the weights from host memory.
 """
@@ -23,8 +27,10 @@ How a call reaches the weights, route by route:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
+import itertools
 import logging
 import sys
 import threading
@@ -38,8 +44,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dynamo import compiled_module_of, is_tracing_error, model_error, recompile_limits, skipped_frames, \
-    static_shapes, symbolic_sizes, traced_module, user_frame
+from ._dynamo import compiled_module_of, is_tracing_error, model_error, module_being_compiled, recompile_limits, \
+    skipped_frames, static_shapes, symbolic_sizes, traced_module, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -67,8 +73,8 @@ class OffloadState:
     hooks: HookWatch = dataclasses.field(default_factory=lambda: HookWatch())  # the hook dicts of every module
     unplanned: list = dataclasses.field(default_factory=list)  # auto on a pipeline: denoisers planned at their first call
     plans: dict = dataclasses.field(default_factory=dict)  # auto on a pipeline: denoiser path -> its plan
-    refusers: dict = dataclasses.field(default_factory=dict)  # module -> [(submodule, _Refuse)] (see guarding)
-    guarded: list = dataclasses.field(default_factory=list)  # the refusers installed now
+    parts: dict = dataclasses.field(default_factory=dict)  # module -> (its __dict__, its `_RoutedPart`, its forward
+    #   set on the instance before offloading or None): the other modules holding weights
     routing: int = 0  # depth of offloaded calls (and captures) running now
     refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
     ended: bool = False
@@ -100,8 +106,14 @@ class OffloadState:
         (dynamo does not guard hooks, so those graphs would silently skip them)."""
         if self.hooks.change() is not None:
             self.hooks.accept()
-            for forward in self.forwards.values():
-                forward.recompile()
+            self.recompile()
+
+    def recompile(self) -> None:
+        """Every offloaded forward compiles again at its next call (hooks changed, or the runtime was rebuilt)."""
+        for forward in self.forwards.values():
+            forward.recompile()
+        for _, part, _ in self.parts.values():
+            part.recompile()
 
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
@@ -110,7 +122,12 @@ class OffloadState:
         saved = [(key, key[0].__dict__.get(key[1])) for key in self.forwards]
         for (module, method), forward in self.forwards.items():
             module.__dict__[method] = forward.through
-        lifted = self._set_refusers(()) if self.guarded else None
+        parts = () if self.routing else self.parts.values()  # lifted by the outermost call (`_RoutedPart`)
+        for attributes, _, previous in parts:
+            if previous is None:
+                del attributes["forward"]
+            else:
+                attributes["forward"] = previous
         self.routing += 1
         try:
             yield
@@ -118,54 +135,8 @@ class OffloadState:
             self.routing -= 1
             for (module, method), previous in saved:
                 module.__dict__[method] = previous
-            if lifted is not None:
-                self._set_refusers(lifted)
-
-    @contextlib.contextmanager
-    def guarding(self, module: nn.Module, method: str) -> Iterator[None]:
-        """Around a public method of an offloaded module that offload_compiler does not route (anything but
-        ``forward`` and `ENTRY_METHODS`), called from Python: the modules holding its offloaded weights
-        refuse to run (they would read host memory), while the routed forwards it calls run as usual."""
-        with self.lock:
-            if self.routing or self.guarded or self.runtime is None:
-                yield
-                return
-            self._set_refusers(self._refusers_of(module, method))
-            try:
-                yield
-            finally:
-                self._set_refusers(())
-
-    def _set_refusers(self, refusers: Any) -> list:
-        """Install ``refusers`` as the forwards of their modules (removing those installed now); returns
-        the ones removed."""
-        removed = self.guarded
-        for sub, refuser in removed:
-            if sub.__dict__.get("forward") is refuser:
-                del sub.__dict__["forward"]
-        self.guarded = list(refusers)
-        for sub, refuser in self.guarded:
-            sub.__dict__["forward"] = refuser
-        return removed
-
-    def _refusers_of(self, module: nn.Module, method: str) -> list:
-        if module not in self.refusers:
-            root = self.modules
-            path = _path_of(self, module)
-            routed = {m for m, _ in self.forwards}
-            owners = {slot.name.rsplit(".", 1)[0] if "." in slot.name else "" for g in self.runtime.groups
-                      for slot in g.slots}
-            found = []
-            for owner in sorted(owners):
-                if path and owner != path and not owner.startswith(path + "."):
-                    continue
-                sub = root.get_submodule(owner)
-                if sub not in routed and "forward" not in sub.__dict__:
-                    found.append((sub, _Refuse(self, module, owner)))
-            self.refusers[module] = found
-        for _, refuser in self.refusers[module]:
-            refuser.method = method
-        return self.refusers[module]
+            for attributes, part, _ in parts:
+                attributes["forward"] = part
 
     def plan_now(self, args: tuple, kwargs: dict) -> OffloadPlan:
         """``auto``: plan from this call of the whole model (nothing runs), then build the runtime and the
@@ -205,9 +176,7 @@ class OffloadState:
         self.unplanned.remove(path)
         self.runtime.unpack()
         self.runtime = pipeline_runtime(self.modules, self.policy, self.name, self.plans)
-        self.refusers.clear()
-        for forward in self.forwards.values():
-            forward.recompile()
+        self.recompile()
 
     def _component_budget(self) -> int:
         """A denoiser's share of ``device_budget_gb``: what the components kept on the device (the VAE) and
@@ -225,25 +194,6 @@ class OffloadState:
                 f"components) and the encoders stream {window} B at a time; raise device_budget_gb",
                 needed_bytes=kept + window + 1, budget_bytes=budget)
         return share
-
-
-class _Refuse:
-    """The forward of a module holding offloaded weights while an un-routed method of its model runs."""
-
-    def __init__(self, state: OffloadState, module: nn.Module, owner: str) -> None:
-        self._state, self._module, self._owner = state, module, owner
-        self.method = "?"
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state, module = self._state, self._module
-        path = _path_of(state, module)
-        where = f"{state.name}{'.' + path if path and path != self._owner else ''}"
-        routed = sorted({m for (mod, m) in state.forwards if mod is module})
-        raise RuntimeError(
-            f"{where}.{self.method}() ran the offloaded module {self._owner or '(root)'} directly from Python, outside "
-            f"the offloaded graphs: its weights live in host memory and would be read there. offload_compiler routes "
-            f"{', '.join(f'{m}()' for m in routed) or 'forward()'} of {type(module).__name__} through its offloaded "
-            f"graphs: call those, or run the module un-offloaded (remove_offload(m))")
 
 
 def state_of(obj: Any) -> OffloadState | None:
@@ -333,35 +283,13 @@ def _offloaded_class(cls: type) -> type:
         # class on its name (transformers' output capture looks up str(model.__class__): under another name an
         # offloaded BertModel returned no hidden states). isinstance(m, OffloadedModule) tells it is offloaded
         namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _CLASSES[cls] = type(cls.__name__, (OffloadedModule, cls), {**_guarded_methods(cls), **namespace})
+        _CLASSES[cls] = type(cls.__name__, (OffloadedModule, cls), namespace)
     return _CLASSES[cls]
 
 
-def _guarded_methods(cls: type) -> dict[str, Any]:
-    """The class's public methods that offload_compiler does not route (not nn.Module's, not ``forward``, not
-    `ENTRY_METHODS`), each wrapped by `OffloadState.guarding`."""
-    skip = set(dir(OffloadedModule)) | set(ENTRY_METHODS)
-    wrapped = {}
-    for name in dir(cls):
-        function = inspect.getattr_static(cls, name, None)
-        if not name.startswith("_") and name not in skip and inspect.isfunction(function):
-            wrapped[name] = _guarded(name, function)
-    return wrapped
-
-
-def _guarded(name: str, function: Any) -> Any:
-    def method(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # our capture traces through (what it reads, it fetches)
-            return function(self, *args, **kwargs)
-        state = self.__dict__.get(STATE_ATTR)
-        if state is None:
-            return function(self, *args, **kwargs)
-        with state.guarding(self, name):
-            return function(self, *args, **kwargs)
-    method.__name__, method.__qualname__, method.__doc__ = name, function.__qualname__, function.__doc__
-    method.__wrapped__ = function
-    return method
-
+BOUNDARY = ("an offloaded model runs its own offloaded graph (compiled as its OffloadPolicy says); torch.compile "
+            "around it cannot trace its weights without their transfers, so it is a graph boundary. Call it outside "
+            "fullgraph=True regions, or compile it through its policy (compiler='inductor', fullgraph=True)")
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
@@ -409,15 +337,18 @@ class HookWatch:
 class _OffloadedForward:
     """A module's forward (or another entry method, `ENTRY_METHODS`) while its model is offloaded: runs the
     module's own offloaded graph. ``must_graph``: a call that ran no offloaded graph is an error (dynamo fell
-    back to eager)."""
+    back to eager). ``function``: what the method runs, where not the class's (a forward set on the instance
+    before offloading)."""
 
-    def __init__(self, module: nn.Module, state: OffloadState, must_graph: bool, method: str = "forward") -> None:
+    def __init__(self, module: nn.Module, state: OffloadState, must_graph: bool, method: str = "forward",
+                 function: Any = None) -> None:
         self._state = state
+        self._module = module
         self._must_graph = must_graph
         self._root = module is state.owner
         self._method = method
         self._warned_inputs = False
-        self.forward = getattr(type(module), method).__get__(module)
+        self.forward = function if function is not None else getattr(type(module), method).__get__(module)
         self.through = _TraceThrough(self)
         self._compiled = None
         try:  # inspect.signature(m.forward) is the method's own (transformers' generate checks kwargs against it)
@@ -439,7 +370,7 @@ class _OffloadedForward:
                                        f"model (or m.plan(...)) once before calling its parts on their own")
                 state.plan_now(args, kwargs)
             elif state.unplanned:
-                path = _path_of(state, self.forward.__self__)
+                path = _path_of(state, self._module)
                 if path in state.unplanned:
                     state.plan_component(path, args, kwargs)
             runtime = state.runtime
@@ -465,13 +396,13 @@ class _OffloadedForward:
 
     def _trainable(self) -> bool:
         """The plain module's outputs would require grad (grad mode on, a weight that requires grad)."""
-        return any(p.requires_grad for p in self.forward.__self__.parameters())
+        return any(p.requires_grad for p in self._module.parameters())
 
     def _check_no_eager_reads(self, state: OffloadState, runtime: OffloadRuntime) -> None:
         """Dynamo ran part of this call without a graph (a frame with a graph break inside a loop, or past its
         recompile limit). Frames it compiled inside that part are fine; but a group that no graph of this call
         read was read there, from host memory: refused, now and on every later call."""
-        path = "" if self._root else _path_of(state, self.forward.__self__)
+        path = "" if self._root else _path_of(state, self._module)
         unread = [g.name for g in runtime.groups if g.nbytes and g.index not in runtime.used_groups and (
             not path or g.name == path or g.name.startswith(path + "."))]
         if not unread:
@@ -484,11 +415,7 @@ class _OffloadedForward:
             f"every graph break an error); then offload again: offload_compile(remove_offload(m), policy)")
         raise RuntimeError(state.refused)
 
-    __call__ = torch.compiler.disable(
-        _call, reason="an offloaded model runs its own offloaded graph (compiled as its OffloadPolicy says); "
-                      "torch.compile around it cannot trace its weights without their transfers, so it is a graph "
-                      "boundary. Call it outside fullgraph=True regions, or compile it through its policy "
-                      "(compiler='inductor', fullgraph=True)")
+    __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
 
     def _run(self, runtime: OffloadRuntime, args: tuple, kwargs: dict) -> Any:
         if self._compiled is None:
@@ -513,7 +440,7 @@ class _OffloadedForward:
     def _input_error(self, error: BaseException, exc: BaseException, args: tuple, kwargs: dict) -> BaseException:
         """The model's own error while tracing it (a wrong input shape), short: the module and method, the
         inputs it was given, what failed and where. Dynamo's full report is the error's ``offload_trace``."""
-        state, module = self._state, self.forward.__self__
+        state, module = self._state, self._module
         path = _path_of(state, module)
         call = f"{state.name}{'.' + path if path else ''}.{self._method}({_describe_inputs(self.forward, args, kwargs)})"
         text = str(error).strip()
@@ -581,6 +508,47 @@ class _TraceThrough:
         if torch.compiler.is_compiling():
             return self._offloaded.forward(*args, **kwargs)
         return self._offloaded(*args, **kwargs)
+
+
+class _RoutedPart:
+    """The forward of every other module holding offloaded weights (a block, a layer's projection, a tied
+    ``lm_head``), called from outside an offloaded call: by hand (``m.model.layers[0](h)``,
+    ``m.get_input_embeddings()(ids)``), from a method of the model (``self.blocks[0](x)``), from the model's
+    forward reached around its instance attribute, from code the user compiles (a graph boundary, as the model
+    is). It runs the module's own offloaded graph, compiled at that first call: no route reads host memory.
+    During an offloaded call these are lifted (`OffloadState.tracing_through`): our capture sees the modules
+    as they are, with no guard of its own per module."""
+
+    def __init__(self, module: nn.Module, state: OffloadState, previous: Any) -> None:
+        self._state = state
+        self._module = module
+        self.previous = previous  # a forward set on the instance before offloading, or None
+        self._routed: _OffloadedForward | None = None
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self._routed is None:
+            self._routed = _OffloadedForward(self._module, self._state, True, function=self.previous)
+        return self._routed(*args, **kwargs)
+
+    __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # inspect.signature(module.forward) is the forward's own
+        return inspect.signature(self.previous or type(self._module).forward.__get__(self._module))
+
+    def recompile(self) -> None:
+        self._routed = None
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A copy of the module (``copy.deepcopy(m.model.layers[0])``) is a plain module: its forward is its own."""
+        copied = memo.get(id(self._module))
+        if copied is None or self.previous is not None:
+            return copy.deepcopy(self.previous, memo)
+        return type(copied).forward.__get__(copied)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError(f"{type(self._module).__name__} is part of the offloaded {self._state.name}: pickle or "
+                        f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
 
 
 def _path_of(state: OffloadState, module: nn.Module) -> str:
@@ -701,7 +669,8 @@ def _entry_methods(module: nn.Module) -> tuple[str, ...]:
 def install_forwards(model: nn.Module, state: OffloadState) -> None:
     """The model's forward and entry methods (unless it is a pipeline's stand-in), its groups' containers'
     forwards and entry methods (a VLM's ``m.model.get_image_features``, which ``generate`` calls on its own), and
-    its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``)."""
+    its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``); then every other module
+    holding offloaded weights gets a `_RoutedPart`."""
     names = _group_names(state, model)
     wanted = [(model, True, True)] if model is state.owner else []
     wanted += [(model.get_submodule(n), True, True) for n in _containers_of_groups(model, names)]
@@ -712,6 +681,28 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
                 forward = _OffloadedForward(module, state, must_graph, method)
                 state.forwards[(module, method)] = forward
                 module.__dict__[method] = forward
+    routed = {module for module, _ in state.forwards}
+    for module in _weight_holders(state, model):
+        if module not in routed and module not in state.parts and type(module).forward is not nn.Module.forward:
+            previous = module.__dict__.get("forward")
+            part = module.__dict__["forward"] = _RoutedPart(module, state, previous)
+            state.parts[module] = (module.__dict__, part, previous)
+
+
+def _weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` holding a weight of a group, and those containing them (the model itself not
+    included); under ``auto`` before planning, every module holding a weight."""
+    if state.runtime is not None:
+        offloaded = {id(slot.tensor) for group in state.runtime.groups for slot in group.slots}
+    else:
+        offloaded = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    holders: dict[nn.Module, None] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        own = itertools.chain(module._parameters.values(), module._buffers.values())
+        if path and any(id(t) in offloaded for t in own if t is not None):
+            parts = path.split(".")
+            holders.update((model.get_submodule(".".join(parts[:end])), None) for end in range(1, len(parts) + 1))
+    return list(holders)
 
 
 # -- in place: attach and detach ------------------------------------------------------------------------------
@@ -835,9 +826,12 @@ def detach(state: OffloadState) -> Any:
     with state.lock:
         if state.runtime is not None:
             state.runtime.unpack()
-        state._set_refusers(())
         for module, method in state.forwards:
             module.__dict__.pop(method, None)
+        for attributes, _, previous in state.parts.values():
+            attributes.pop("forward", None)
+            if previous is not None:
+                attributes["forward"] = previous
         for module, cls in state.classes:
             module.__class__ = cls
             module.__dict__.pop(STATE_ATTR, None)
@@ -865,6 +859,7 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
             "buffers); use offload_compiler.offload_compile(model, policy) instead")
     state = state_of(root)
     if state is None:
+        _check_is_the_compiled_model(root)
         state = OffloadState(root, policy, build_runtime(root, policy, pack_now=False))
         root.__dict__[STATE_ATTR] = state
         return _AttachAtFirstRun(compile_graph(gm, example_inputs, state.runtime), state)
@@ -872,6 +867,22 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
         raise ValueError(f"{state.name} is already offloaded with another policy ({state.policy}); "
                          f"remove_offload(model) first, then compile it with the new options")
     return compile_graph(gm, example_inputs, state.runtime)
+
+
+def _check_is_the_compiled_model(root: nn.Module) -> None:
+    """Dynamo hands the backend the graph of a frame it compiles; when it skips the model's own frame (its
+    recompile limit was met on that code object: transformers' forwards share one decorator's code; a graph
+    break dynamo cannot resume from), the graph is a submodule's, and offloading that would leave the rest of
+    the model reading host memory."""
+    model = module_being_compiled()
+    if model is not None and root is not model:
+        where = next((name for name, sub in model.named_modules() if sub is root), None)
+        raise RuntimeError(
+            f"torch.compile(model, backend='omni_offload') was given the graph of {type(root).__name__}"
+            f"{f' (model.{where})' if where else ''}, not of the {type(model).__name__} it compiles: dynamo skipped "
+            f"the model's own frame (a graph break it cannot resume from, or its recompile limit met on that code; "
+            f"TORCH_LOGS=recompiles,graph_breaks shows which). Nothing was offloaded. Offload the model itself: "
+            f"offload_compiler.offload_compile(model, OffloadPolicy(...))")
 
 
 class _AttachAtFirstRun:

@@ -65,6 +65,44 @@ def test_every_route_of_a_language_model_streams_the_plan(compiler):
         assert stats.live_device_bytes == 0, name
 
 
+def test_every_part_called_from_python_runs_its_own_offloaded_graph():
+    """Modules holding offloaded weights, called outside the model's call -- by hand, through an accessor, or by
+    the model's forward reached around its instance attribute -- each fetch what they read, as planned."""
+    model, inputs, plain = _llama()
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        embedded = plain.get_input_embeddings()(ids)
+        position = torch.arange(ids.shape[1])[None]
+        rotary = plain.model.rotary_emb(embedded, position)
+        wanted = {"the input embeddings": embedded,
+                  "a decoder layer": plain.model.layers[0](embedded, position_embeddings=rotary)[0],
+                  "a layer's MLP": plain.model.layers[1].mlp(embedded),
+                  "the LM head": plain.lm_head(embedded),
+                  "the class's forward": plain(**inputs).logits}
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    routes = {"the input embeddings": (lambda: m.get_input_embeddings()(ids), ["model.embed_tokens"]),
+              "a decoder layer": (lambda: m.model.layers[0](embedded, position_embeddings=rotary)[0],
+                                  ["model.layers.0"]),
+              "a layer's MLP": (lambda: m.model.layers[1].mlp(embedded), ["model.layers.1"]),
+              "the LM head": (lambda: m.lm_head(embedded), ["lm_head"]),
+              "the class's forward": (lambda: type(m).forward(m, **inputs).logits, None)}
+    groups = {g.index: g.name for g in m._offload_runtime.groups}
+    for name, (route, fetched) in routes.items():
+        reset_offload_stats(m)
+        m._offload_runtime.used_groups.clear()
+        with torch.no_grad():
+            got = route()
+        assert torch.equal(got, wanted[name]), name
+        stats = assert_traffic_matches_plan(m)
+        assert stats.live_device_bytes == 0, name
+        if fetched is not None:
+            assert sorted(groups[i] for i in m._offload_runtime.used_groups) == fetched, name
+        else:  # the decoder stack and the head each ran their own graph: every group, once
+            assert stats.fetch_count == len(groups), name
+    with torch.no_grad():
+        assert torch.equal(m(**inputs).logits, wanted["the class's forward"])
+
+
 def test_fullgraph_around_an_offloaded_model_names_the_boundary():
     model, inputs, plain = _llama()
     m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))

@@ -86,6 +86,43 @@ def test_the_backend_offloads_after_other_offloaded_models_of_its_class_ran():
     assert stats.fetch_count == 3 and stats.bytes_transferred == stats.streamed_bytes > 0
 
 
+class SkippedFrame(nn.Module):
+    """A model whose own frame dynamo skips (as it does past its recompile limit on that code): dynamo compiles
+    the frames it calls instead, and the backend is handed a submodule's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _stack()
+
+    @torch.compiler.disable(recursive=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_the_backend_handed_a_submodules_graph_names_the_fix_and_offloads_nothing():
+    """Before the fix, the backend offloaded whatever module the graph it got came from (a ViT's embeddings),
+    and the error, if any, was about that module's blocks."""
+    model = SkippedFrame().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    compiled = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu"})
+    with pytest.raises(Exception, match=r"graph of Stack \(model\.inner\), not of the SkippedFrame.*"
+                                        r"Nothing was offloaded.*offload_compile\(model"):
+        with torch.no_grad():
+            compiled(x)
+    assert type(model.inner) is Stack and type(model) is SkippedFrame  # nothing was offloaded
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))  # the fix named works
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+    assert assert_traffic_matches_plan(m).fetch_count == 3
+
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -2,11 +2,14 @@
 offloaded model, a wrong input shape, a method offload_compiler does not route. After each, the model runs
 again and every weight is bit-for-bit what it was."""
 
+import copy
+import pickle
 import re
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from offload_compiler import OffloadPolicy, offload_compile, remove_offload, reset_offload_stats
 from offload_compiler.testing import assert_traffic_matches_plan
@@ -88,13 +91,35 @@ def test_a_wrong_input_shape_is_one_short_error_with_the_shapes_given(capfd):
     _still_whole(m, x, expected, snapshot)
 
 
-def test_a_method_offload_compiler_does_not_route_refuses_to_read_host_weights():
+def test_a_part_called_from_python_streams_through_its_own_graph():
+    """A public method running a block, a block called by hand, a compiled function calling the head: each
+    part runs its own offloaded graph (the plan's fetches), never its host weights."""
     m, x, expected, snapshot = _offloaded()
-    with pytest.raises(RuntimeError, match=r"Stack\.first_block\(\) ran the offloaded module blocks\.0 directly.*"
-                                           r"host memory.*forward\(\).*remove_offload"):
-        m.first_block(x)
+    with torch.no_grad():
+        expected_block, expected_head = remove_offload(m).blocks[0](x), m.head(x)
+    m = offload_compile(m, OffloadPolicy(strategy="layerwise", **CPU))
+    routes = {"a method of the model": (lambda: m.first_block(x), expected_block),
+              "a block by hand": (lambda: m.blocks[0](x), expected_block),
+              "a compiled function calling the head": (lambda: torch.compile(lambda: m.head(x) * 1)(), expected_head)}
+    for name, (route, wanted) in routes.items():
+        reset_offload_stats(m)
+        with torch.no_grad():
+            assert torch.equal(route(), wanted), name
+        stats = assert_traffic_matches_plan(m)
+        assert stats.fetch_count == 1 and stats.live_device_bytes == 0, name
     assert m.width() == 8  # a method that computes nothing runs as before
     _still_whole(m, x, expected, snapshot)
-    plain = remove_offload(m)
+
+
+def test_a_copy_of_a_part_is_a_plain_module_and_pickling_one_names_the_fix():
+    m, x, expected, snapshot = _offloaded()
+    block = copy.deepcopy(m.blocks[0])
+    assert "forward" not in vars(block) or not hasattr(vars(block)["forward"], "_state")  # its own forward
     with torch.no_grad():
-        assert torch.equal(plain.first_block(x), plain.blocks[0](x))  # un-offloaded, it runs again
+        assert torch.equal(block(x), F.linear(x, snapshot["blocks.0.weight"], snapshot["blocks.0.bias"]))
+    with pytest.raises(TypeError, match=r"part of the offloaded Stack.*state_dict\(\).*remove_offload"):
+        pickle.dumps(m.blocks[0])
+    plain = remove_offload(m)
+    assert "forward" not in vars(plain.blocks[0])  # a plain module again
+    with torch.no_grad():
+        assert torch.equal(plain.first_block(x), plain.blocks[0](x))
