@@ -7,12 +7,16 @@
 - `traced_module`: the module whose frame dynamo is compiling, found from a weight's source name.
 - `static_shapes`, `symbolic_sizes`, `user_frame`: a model error traced with symbolic sizes (``s27``) traced
   again with the call's own sizes, and the line of the model's code that failed.
-- `recompile_limits`: a config patch raising dynamo's recompile limits (made once per model: torch keeps a
-  ContextVar per patch object).
+- `capture_config`: the config patch our captures run under (made once per model: torch keeps a ContextVar
+  per patch object): raised recompile limits, and logging calls traced as no-ops.
+- `graph_breaks`, `graph_breaks_since`: the reasons of the graph breaks of one call, for an error that follows
+  from one.
+- `module_being_compiled`: the model inside the ``torch.compile`` wrapper whose call dynamo is compiling.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -37,8 +41,30 @@ def skipped_frames() -> int:
     return frames["total"] - frames["ok"]
 
 
-def recompile_limits():
-    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT)
+def graph_breaks() -> dict[str, int]:
+    """How often dynamo met each graph-break reason so far (compare with `graph_breaks_since`)."""
+    return dict(counters["graph_break"])
+
+
+def graph_breaks_since(before: dict[str, int]) -> list[str]:
+    """The first line of each graph-break reason dynamo met since ``before``."""
+    return [reason.strip().splitlines()[0] for reason, count in counters["graph_break"].items()
+            if count > before.get(reason, 0)]
+
+
+def capture_config():
+    """Raised recompile limits, and the logging methods traced as no-ops: a ``logger.warning_once`` inside a
+    model's layer loop (transformers' sdpa attention asked for ``output_attentions``) is otherwise a graph
+    break inside a loop, and dynamo runs that frame without a graph, reading the weights from host memory."""
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT,
+                                      ignore_logging_functions=_logging_methods())
+
+
+def _logging_methods() -> set:
+    names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log", "warning_once",
+             "warning_advice", "info_once")  # the last three: transformers' (set on logging.Logger when imported)
+    found = {getattr(logging.Logger, name) for name in names if hasattr(logging.Logger, name)}
+    return set(torch._dynamo.config.ignore_logging_functions) | found
 
 
 _SYMBOL = re.compile(r"\b[su]\d+\b")

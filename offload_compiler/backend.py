@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 import traceback
 import weakref
 from typing import Any, Callable
@@ -70,6 +71,7 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
         if id(tensor) not in managed and id(tensor) not in seen:
             seen.add(id(tensor))
             runtime.unmanaged_bytes += leaf_nbytes(tensor)
+    runtime.unmanaged_ids = seen
     return runtime
 
 
@@ -132,6 +134,7 @@ class Variant:
 
 
 def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Variant:
+    _refuse_parameters_added_later(gm, example_inputs, runtime)
     new_gm, num_outputs, plan = rewrite_graph(gm, example_inputs, runtime)
     runtime.graph_plans.append(plan)
     runtime.plan_calls.append(0)
@@ -214,9 +217,31 @@ def _refuse_foreign_weights(passed: list, compiled_ids: tuple, rt: OffloadRuntim
     for tensor, compiled_id in zip(passed, compiled_ids):
         if compiled_id in rt.group_of and id(tensor) not in rt.group_of:
             name = next((s.name for g in rt.groups for s in g.slots if id(s.tensor) == compiled_id), "a weight")
-            raise RuntimeError(
-                f"{rt.model_name}'s offloaded graph was called with a weight it does not hold (in place of {name}), "
-                f"which would run un-offloaded. Either a parameter was replaced after offloading (assign "
-                f"p.data = new_tensor, or load_state_dict, instead of a new nn.Parameter), or this is another "
-                f"{rt.model_name} sharing dynamo's compiled code through torch.compile(backend='omni_offload'): use "
-                f"offload_compiler.offload_compile(model, policy) for each model, or torch._dynamo.reset() between them")
+            raise RuntimeError(_not_held(rt, f"a weight in place of {name}"))
+
+
+def _refuse_parameters_added_later(gm: fx.GraphModule, example_inputs: list, rt: OffloadRuntime) -> None:
+    """A graph reading a parameter that offloading never saw (a block appended, a module or parameter replaced
+    after offloading): it would read that parameter wherever it is, un-offloaded, and silently."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    new = [_weight_path(node) for node, value in zip(placeholders, example_inputs) if isinstance(value, nn.Parameter)
+           and id(value) not in rt.group_of and id(value) not in rt.unmanaged_ids]
+    if new:
+        raise RuntimeError(_not_held(rt, ", ".join(new[:4]) + (" ..." if len(new) > 4 else "")))
+
+
+def _weight_path(placeholder: fx.Node) -> str:
+    """``blocks.3.lin.weight`` from dynamo's source of a module's parameter."""
+    grapharg = placeholder.meta.get("grapharg")
+    source = grapharg.source.name if grapharg is not None else ""
+    return ".".join(re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source)) or placeholder.name
+
+
+def _not_held(rt: OffloadRuntime, what: str) -> str:
+    return (f"{rt.model_name}'s offloaded graph was called with {what}, which offloading does not hold: it would be "
+            f"read from wherever it is, un-offloaded. Either the model changed after offloading (a module added or "
+            f"replaced, a new nn.Parameter assigned): change it un-offloaded, m = remove_offload(m), then "
+            f"offload_compile(m, policy) (to change weights in place, assign p.data = new_tensor or load_state_dict); "
+            f"or this is another {rt.model_name} sharing dynamo's compiled code through "
+            f"torch.compile(backend='omni_offload'): use offload_compiler.offload_compile(model, policy) for each "
+            f"model, or torch._dynamo.reset() between them")

@@ -44,8 +44,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dynamo import compiled_module_of, is_tracing_error, model_error, module_being_compiled, recompile_limits, \
-    skipped_frames, static_shapes, symbolic_sizes, traced_module, user_frame
+from ._dynamo import capture_config, compiled_module_of, graph_breaks, graph_breaks_since, is_tracing_error, \
+    model_error, module_being_compiled, skipped_frames, static_shapes, symbolic_sizes, traced_module, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -79,7 +79,7 @@ class OffloadState:
     refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    limits: Any = dataclasses.field(default_factory=recompile_limits)
+    limits: Any = dataclasses.field(default_factory=capture_config)
 
     def __post_init__(self) -> None:
         if self.modules is None and isinstance(self.owner, nn.Module):
@@ -375,7 +375,7 @@ class _OffloadedForward:
                     state.plan_component(path, args, kwargs)
             runtime = state.runtime
             args, kwargs = self._inputs_on_device(args, kwargs, runtime.device)
-            calls, skipped = runtime.graph_calls, skipped_frames()
+            calls, skipped, breaks = runtime.graph_calls, skipped_frames(), graph_breaks()
             runtime.used_groups.clear()
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
             grad = torch.is_grad_enabled()
@@ -391,14 +391,14 @@ class _OffloadedForward:
                     f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a "
                     f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
             if skipped_frames() != skipped:
-                self._check_no_eager_reads(state, runtime)
+                self._check_no_eager_reads(state, runtime, graph_breaks_since(breaks))
         return _inference_only(out) if grad and self._trainable() else out
 
     def _trainable(self) -> bool:
         """The plain module's outputs would require grad (grad mode on, a weight that requires grad)."""
         return any(p.requires_grad for p in self._module.parameters())
 
-    def _check_no_eager_reads(self, state: OffloadState, runtime: OffloadRuntime) -> None:
+    def _check_no_eager_reads(self, state: OffloadState, runtime: OffloadRuntime, reasons: list[str]) -> None:
         """Dynamo ran part of this call without a graph (a frame with a graph break inside a loop, or past its
         recompile limit). Frames it compiled inside that part are fine; but a group that no graph of this call
         read was read there, from host memory: refused, now and on every later call."""
@@ -407,12 +407,13 @@ class _OffloadedForward:
             not path or g.name == path or g.name.startswith(path + "."))]
         if not unread:
             return
+        reason = f"; this call's graph breaks: {'; '.join(reasons)}" if reasons else ""
         state.refused = (
             f"part of {state.name}'s forward ran outside its offloaded graphs: dynamo ran a frame without a graph (a "
             f"graph break inside a loop, or past its recompile limit), and the weights of {unread[:4]}"
             f"{' ...' if len(unread) > 4 else ''} were read there from host memory instead of being fetched. "
-            f"Make that code traceable (TORCH_LOGS=graph_breaks shows where; OffloadPolicy(fullgraph=True) makes "
-            f"every graph break an error); then offload again: offload_compile(remove_offload(m), policy)")
+            f"Make that code traceable (TORCH_LOGS=graph_breaks shows where{reason}; OffloadPolicy(fullgraph=True) "
+            f"makes every graph break an error); then offload again: offload_compile(remove_offload(m), policy)")
         raise RuntimeError(state.refused)
 
     __call__ = torch.compiler.disable(_call, reason=BOUNDARY)

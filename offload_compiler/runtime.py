@@ -463,6 +463,7 @@ class OffloadRuntime:
         self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
         self.group_remap: dict[int, int] | None = None  # per call: compiled group -> group of the weights passed
         self.unmanaged_bytes = 0  # weights in no group: they live on the compute device
+        self.unmanaged_ids: set[int] = set()  # and which tensors those are
         self.ledger = Ledger()
         self.bytes_transferred = 0
         self.fetch_count = 0

@@ -30,7 +30,7 @@ CASES = [
     ("gemma2", "layerwise"), ("gemma3", "budget"), ("phi3", "sequential"), ("olmo2", "layerwise_p2"),
     ("falcon", "sequential"), ("gpt_neox", "budget"), ("opt", "layerwise_p2"), ("bloom", "layerwise"),
     ("deepseek_v3", "layerwise"), ("mamba", "layerwise"), ("t5", "layerwise_p2"), ("bart", "budget"),
-    ("whisper", "layerwise"), ("bert", "auto"), ("albert", "sequential"), ("vit", "budget"),
+    ("whisper", "layerwise"), ("bert", "auto"), ("deberta_v2", "layerwise"), ("albert", "sequential"), ("vit", "budget"),
     ("dinov2", "layerwise"), ("clip_vision", "sequential"), ("clip_text", "layerwise"), ("swin", "layerwise_p2"),
     ("convnext", "budget"), ("sd3", "layerwise"), ("wan", "budget"), ("ltx_video", "layerwise_p2"),
     ("cogvideox", "sequential"), ("hunyuan_video", "layerwise"), ("qwen_image", "budget"),

@@ -1,7 +1,10 @@
 """The analysis, insert and verify passes on a weight that a forward writes into its activations
-(``x[mask] = weight``: wav2vec2's masked_spec_embed) or into a buffer (refused)."""
+(``x[mask] = weight``: wav2vec2's masked_spec_embed) or into a buffer (refused), and on a weight passed
+through an op that returns it unchanged at run time though its traced value is a new tensor (eval-mode
+dropout: DeBERTa's relative embeddings)."""
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -61,3 +64,61 @@ def test_a_buffer_written_by_setitem_is_refused_and_the_model_is_unchanged():
         with torch.no_grad():
             m(x, mask)
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+class SharedRelative(nn.Module):
+    """A weight read by every block through eval-mode dropout and a slice, as DeBERTa reads its relative
+    embeddings: at run time ``F.dropout(w, training=False)`` is ``w`` itself, so the blocks read the weight."""
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel = nn.Embedding(16, 16)  # as large as each block: the next block's fetch may take its slot
+        self.drop = nn.Dropout(0.1)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(3))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        rel = self.drop(self.rel.weight)[:16]
+        for block in self.blocks:
+            h = h + block(h) @ rel
+        return h
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("poison", [False, True])
+def test_a_weight_an_op_returns_unchanged_stays_until_its_last_reader(compiler, poison):
+    """Before the fix the weight was evicted right after the dropout node, and its slot refilled by the next
+    block while the blocks still read it: off by up to 51 (NaN with debug_poison), eager and inductor alike."""
+    torch.manual_seed(0)
+    model = SharedRelative().eval()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=poison,
+                                             compiler=compiler))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            got, expected = m(x), plain(x)
+            assert torch.equal(got, expected) if compiler == "eager" else torch.allclose(got, expected, atol=1e-5)
+    stats = assert_traffic_matches_plan(m)
+    assert stats.fetch_count == 2 * len(m._offload_runtime.groups)
+
+
+def test_readers_follow_a_result_that_may_be_the_weight_itself():
+    """The analysis, on the captured graph: the dropout's users (the slice, then each block's matmul) are
+    readers of the weight; an op with a result of another layout (the blocks' linear) ends the chain."""
+    from offload_compiler.passes.analysis import readers
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(SharedRelative().eval(), backend=backend)(torch.randn(4, 16))
+    gm = captured["gm"]
+    weight = next(n for n in gm.graph.nodes if n.op == "placeholder" and "rel" in n.name)
+    (dropout,) = weight.users
+    found = readers(weight, dropout, weight.name).leaves
+    matmuls = [n for n in gm.graph.nodes if n.target in (operator.matmul, torch.matmul)]
+    assert len(matmuls) == 3 and set(matmuls) <= set(found), [n.format_node() for n in found]

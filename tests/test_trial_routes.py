@@ -149,6 +149,23 @@ def test_output_hidden_states_after_offloading_streams_the_plan():
     assert stats.fetch_count == len(m._offload_runtime.groups)  # every group once
 
 
+def test_output_attentions_on_sdpa_attention_runs_as_the_plain_model_does():
+    """sdpa attention asked for attentions logs a warning_once from inside the layer loop. Dynamo cannot trace a
+    logging call: a graph break inside the loop, the frame ran without a graph, and the call -- and every later
+    one -- was refused with an error that named neither cause. Our captures trace logging calls as no-ops."""
+    model, ids = _qwen2()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True))
+    with torch.no_grad():
+        for _ in range(2):
+            reset_offload_stats(m)
+            got = m(input_ids=ids, use_cache=False, output_attentions=True)
+            expected = model(input_ids=ids, use_cache=False, output_attentions=True)
+            assert torch.equal(got.logits, expected.logits)
+            assert [a is None for a in got.attentions or ()] == [a is None for a in expected.attentions or ()]
+            assert assert_traffic_matches_plan(m).fetch_count == len(m._offload_runtime.groups)
+        assert torch.equal(m(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits)
+
+
 def test_hidden_states_of_a_model_whose_inner_model_was_called_before_offloading_are_not_doubled():
     """CLIPTextModelWithProjection holds a CLIPTextModel. Once called with output_hidden_states=True (before
     offloading), the inner model has its capturing hooks; installing on the outer model then installed a second

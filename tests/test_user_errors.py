@@ -123,3 +123,41 @@ def test_a_copy_of_a_part_is_a_plain_module_and_pickling_one_names_the_fix():
     assert "forward" not in vars(plain.blocks[0])  # a plain module again
     with torch.no_grad():
         assert torch.equal(plain.first_block(x), plain.blocks[0](x))
+
+
+def test_a_block_added_after_offloading_is_refused_not_read_from_host_memory():
+    """Before the fix the appended block ran from host memory, silently: the graph dynamo captured again read
+    its new parameters as plain inputs."""
+    m, x, expected, snapshot = _offloaded()
+    m.blocks.append(nn.Linear(8, 8))
+    with pytest.raises(Exception, match=r"blocks\.3\.weight.*which offloading does not hold.*module added or "
+                                        r"replaced.*remove_offload\(m\)"):
+        with torch.no_grad():
+            m(x)
+    del m.blocks[3]
+    _still_whole(m, x, expected, snapshot)
+
+
+class Counter(Stack):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1  # rebinds nothing: += on a tensor writes it in place
+        return super().forward(x)
+
+
+def test_a_buffer_the_forward_increments_names_offload_buffers():
+    """Before the fix ``self.calls += 1`` passed the analysis (operator.iadd was not seen as a write), and the
+    next call failed with an unrelated "weight it does not hold" error."""
+    torch.manual_seed(0)
+    model = Counter().eval()
+    with pytest.raises(Exception, match=r"modifies weight .*calls.* in place.*offload_buffers=False"):
+        with torch.no_grad():
+            offload_compile(model, OffloadPolicy(strategy="layerwise", **CPU))(torch.randn(2, 8))
+    m = offload_compile(remove_offload(model), OffloadPolicy(strategy="layerwise", offload_buffers=False, **CPU))
+    reset_offload_stats(m)
+    with torch.no_grad():
+        m(torch.randn(2, 8)), m(torch.randn(2, 8))
+    assert assert_traffic_matches_plan(m).fetch_count == 2 * 4 and int(m.calls) == 2  # the refused call ran nothing

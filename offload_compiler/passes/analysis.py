@@ -49,14 +49,19 @@ def _storage(value) -> StorageWeakRef | None:
     return None
 
 
-def _aliases(value, storage: StorageWeakRef | None) -> bool:
-    """Whether ``value`` is a tensor over ``storage`` (None -- no tensor, or no storage -- aliases nothing)."""
+def _aliases(value, storages: set[StorageWeakRef]) -> bool:
+    """Whether ``value`` is a tensor over one of ``storages`` (no tensor, or no storage, aliases nothing)."""
     other = _storage(value)
-    return storage is not None and other is not None and other == storage
+    return other is not None and other in storages
+
+
+_AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+              operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+              operator.irshift}  # x += y on a tensor writes x
 
 
 def _is_inplace(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target is operator.setitem:  # x[i] = y writes x
+    if node.op == "call_function" and (node.target is operator.setitem or node.target in _AUGMENTED):  # x[i] = y
         return True
     if node.op == "call_method":
         name = str(node.target)
@@ -70,34 +75,63 @@ def _is_inplace(node: fx.Node) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
 
 
+def _is_offload_op(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "offload_compiler"
+
+
+_RETURNS_ITS_INPUT = {
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+    torch.ops.aten.dropout.default, torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_dropout.default,
+    torch.ops.aten.feature_alpha_dropout.default,
+}
+
+
+def _may_be_its_input(node: fx.Node, source: fx.Node | None) -> bool:
+    """Whether ``node`` may hand back ``source`` itself when it runs, though the fake trace made a new tensor:
+    dropout in eval mode (or with ``p=0``) returns its input eagerly, while its traced value owns a storage of
+    its own. (Of about fifty ops that may return an input unchanged, only the dropouts showed this.)"""
+    return node.op == "call_function" and node.target in _RETURNS_ITS_INPUT and bool(node.args) and \
+        node.args[0] is source
+
+
 def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
-    """Follow views (outputs sharing the weight's storage) and tuple outputs down to the nodes that read."""
+    """Follow views (outputs sharing the weight's storage), results that may be the weight itself at run time
+    (`_may_be_its_input`, and views of those) and tuple outputs down to the nodes that read."""
     storage = _storage(_value(placeholder))
+    storages = {storage} if storage is not None else set()  # the weight's, and those of results that may be it
     leaves: list[fx.Node] = []
     unordered = False
-    stack, seen = [direct], set()
+    stack, seen = [(direct, placeholder)], set()
     while stack:
-        node = stack.pop()
+        node, source = stack.pop()
         if node in seen:
             continue
         seen.add(node)
         if node.op == "output":
             unordered = True
             continue
+        if _is_offload_op(node):  # (re-derived on the rewritten graph) an evict's or a transfer's dependency
+            continue
         if _is_inplace(node) and node.args and isinstance(node.args[0], fx.Node) and _aliases(
-                _value(node.args[0]), storage):
+                _value(node.args[0]), storages):
             raise WeightMutatedError(
                 f"the forward modifies weight {weight_name!r} in place ({node.format_node()}); offloaded weights "
                 f"must be read-only. Keep it resident: OffloadPolicy(offload_buffers=False) for buffers")
         value = _value(node)
         if isinstance(value, (tuple, list)):
-            stack.extend(node.users)
+            stack.extend((user, node) for user in node.users)
             if not node.users:
                 unordered = True
-        elif _aliases(value, storage):
-            stack.extend(node.users)
-        else:  # reads the data: a tensor result, or none at all (x[mask] = weight writes it into x, returns None)
-            leaves.append(node)
+            continue
+        if not _aliases(value, storages):  # reads the data: a tensor result, or none at all (x[mask] = weight
+            leaves.append(node)            # writes it into x, returns None)
+            if not _may_be_its_input(node, source):
+                continue
+            if _storage(value) is not None:
+                storages.add(_storage(value))
+        stack.extend((user, node) for user in node.users)
     return Reads(direct, tuple(dict.fromkeys(leaves)), unordered)
 
 

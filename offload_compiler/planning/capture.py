@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .._dynamo import is_graph_break, recompile_limits
+from .._dynamo import is_graph_break, capture_config
 
 
 class _Captured(Exception):
@@ -29,7 +29,7 @@ def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the
         return abort
 
     try:
-        with torch.no_grad(), recompile_limits():
+        with torch.no_grad(), capture_config():
             torch.compile(forward, backend=recorder, fullgraph=True)(*args, **kwargs)
     except _Captured:
         pass

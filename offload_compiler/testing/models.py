@@ -269,6 +269,12 @@ ARCHITECTURES = {
                                                            "attention_mask": torch.ones(1, _SEQ, dtype=torch.long)},
                      vocab_size=_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=128, max_position_embeddings=64),
+    # relative attention: every layer reads the shared relative embeddings through pos_dropout (in eval mode the
+    # weight itself, though its traced value is a new tensor)
+    "deberta_v2": _encoder("DebertaV2Config", "DebertaV2Model", lambda g: {"input_ids": _ids(g)}, vocab_size=_VOCAB,
+                           hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                           max_position_embeddings=64, relative_attention=True, position_buckets=8,
+                           pos_att_type=["p2c", "c2p"], max_relative_positions=16),
     "albert": _encoder("AlbertConfig", "AlbertModel", lambda g: {"input_ids": _ids(g)}, vocab_size=_VOCAB,
                        embedding_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        intermediate_size=128),
