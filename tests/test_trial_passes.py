@@ -67,30 +67,40 @@ def test_a_buffer_written_by_setitem_is_refused_and_the_model_is_unchanged():
 
 
 class SharedRelative(nn.Module):
-    """A weight read by every block through eval-mode dropout and a slice, as DeBERTa reads its relative
-    embeddings: at run time ``F.dropout(w, training=False)`` is ``w`` itself, so the blocks read the weight."""
+    """A weight read by every block through an op that hands it back unchanged: eval-mode dropout and a slice,
+    as DeBERTa reads its relative embeddings (at run time ``F.dropout(w, training=False)`` is ``w`` itself),
+    the same with the input passed by keyword, or a zero-width pad (which inductor lowers to a view)."""
     _layerwise_offload_blocks_attr = "blocks"
 
-    def __init__(self) -> None:
+    def __init__(self, how: str = "dropout") -> None:
         super().__init__()
         self.rel = nn.Embedding(16, 16)  # as large as each block: the next block's fetch may take its slot
         self.drop = nn.Dropout(0.1)
         self.blocks = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(3))
+        self.how = how
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        rel = self.drop(self.rel.weight)[:16]
+        weight = self.rel.weight
+        if self.how == "dropout":
+            rel = self.drop(weight)[:16]
+        elif self.how == "dropout keyword":
+            rel = torch.nn.functional.dropout(input=weight, p=0.1, training=self.training)
+        else:  # "zero pad"
+            rel = torch.nn.functional.pad(weight, (0, 0))
         for block in self.blocks:
             h = h + block(h) @ rel
         return h
 
 
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("poison", [False, True])
-def test_a_weight_an_op_returns_unchanged_stays_until_its_last_reader(compiler, poison):
+@pytest.mark.parametrize("how, poison", [("dropout", False), ("dropout", True), ("dropout keyword", True),
+                                         ("zero pad", True)])
+def test_a_weight_an_op_returns_unchanged_stays_until_its_last_reader(compiler, how, poison):
     """Before the fix the weight was evicted right after the dropout node, and its slot refilled by the next
-    block while the blocks still read it: off by up to 51 (NaN with debug_poison), eager and inductor alike."""
+    block while the blocks still read it: off by up to 51 (NaN with debug_poison), eager and inductor alike.
+    Inductor lowers the zero pad to a view of the weight: its copy is what the evict must follow."""
     torch.manual_seed(0)
-    model = SharedRelative().eval()
+    model = SharedRelative(how).eval()
     plain = copy.deepcopy(model)
     m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=poison,
                                              compiler=compiler))

@@ -105,10 +105,23 @@ def _feeds_only_externs(node: fx.Node) -> bool:
 def needs_materializing(reader: fx.Node) -> bool:
     """Inductor may re-compute this weight reader's value inside a consumer's kernel (pointwise readers,
     gathers) that runs after the weight's evict; extern kernels (matmuls, convolutions, attention), and
-    readers that only feed them, always get a buffer of their own; so does a tensor written in place
-    (``x[mask] = weight``: a reader with no value of its own, ordered before the evict through ``x``)."""
+    readers that only feed them, always get a buffer of their own -- unless the reader is an identity inductor
+    lowers to a view of the weight (``F.pad(w, (0, 0))``: a result with its input's exact layout); a tensor
+    written in place (``x[mask] = weight``: a reader with no value of its own) is ordered before the evict
+    through ``x``."""
     return (reader.op in ("call_function", "call_method") and isinstance(_value(reader), torch.Tensor)
-            and not _is_extern(reader) and not _feeds_only_externs(reader))
+            and not _is_extern(reader) and (not _feeds_only_externs(reader) or _layout_of_an_input(reader)))
+
+
+def _layout_of_an_input(node: fx.Node) -> bool:
+    """Whether ``node``'s result has the exact size, strides and dtype of one of its tensor inputs."""
+    def layout(value) -> tuple | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        sizes = (*value.shape, *value.stride(), value.storage_offset())  # compared as expressions: no guards
+        return (value.dtype, *(s.node.expr if isinstance(s, torch.SymInt) else s for s in sizes))
+    own = layout(_value(node))
+    return own is not None and any(layout(_value(i)) == own for i in node.all_input_nodes)
 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
@@ -126,7 +139,6 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
         slots_in_graph.setdefault(w.group, set()).add(w.slot)
     to_materialize = {leaf for rs in reads.values() for r in rs for leaf in r.leaves if needs_materializing(leaf)
                       } if materialize_readers else set()
-    computed: dict[fx.Node, fx.Node] = {}  # a materialized reader -> its own node, which the evict follows
 
     prefetch_of = {}
     for inst in schedule.instances:
@@ -194,14 +206,14 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             break
         env[node] = graph.node_copy(
             node, lambda arg: weight_arg(node, arg) if arg in weights else env[arg])
-        if node in to_materialize:
-            computed[node] = env[node]
-            env[node] = graph.call_function(OPS.materialize.default, (env[node],))
+        if node in to_materialize:  # the evict follows the copy: under inductor the reader itself may be no
+            copied = graph.call_function(OPS.materialize.default, (env[node],))  # buffer but a view of the weight
+            copied.meta["example_value"] = _value(node)
+            env[node] = copied
         for inst in evicts_at.get(position, []):
             items, _ = fetched[inst.index]
             rs = [r for use in inst.uses for r in reads[use.key]]
-            leaves = _plain_readers(graph, list(dict.fromkeys(computed.get(leaf, env[leaf])
-                                                              for r in rs for leaf in r.leaves)))
+            leaves = _plain_readers(graph, list(dict.fromkeys(env[leaf] for r in rs for leaf in r.leaves)))
             parked = inst.index in park
             poison = not parked and not any(r.unordered for r in rs)
             token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves, parked))

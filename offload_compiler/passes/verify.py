@@ -41,7 +41,10 @@ def _fetch_node(view: fx.Node) -> fx.Node:
 
 
 def _reader_of(evict_input: fx.Node) -> fx.Node:
-    """An evict's input is a reader, or an inner tensor of a subclass-valued reader (getitem(plain_leaves(r), i))."""
+    """An evict's input is a reader, its copy (`ops.materialize`), or an inner tensor of a subclass-valued reader
+    (getitem(plain_leaves(r), i))."""
+    if evict_input.target is OPS.materialize.default:
+        return evict_input.args[0]
     if evict_input.target is operator.getitem and getattr(evict_input.args[0], "target", None) is plain_leaves:
         return evict_input.args[0].args[0]
     return evict_input
