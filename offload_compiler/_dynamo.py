@@ -4,7 +4,8 @@
 - `skipped_frames`: how many frames dynamo has run without a graph (a graph break inside a loop, the
   recompile limit), so an offloaded call can notice that part of its model ran eagerly.
 - `model_error`: the model's own exception under dynamo's ``TorchRuntimeError`` wrapper.
-- `traced_module`: the module whose frame dynamo is compiling, found from a weight's source name.
+- `traced_module`: the module whose frame dynamo is compiling, found from a weight's source name;
+  `weight_path`: a weight's dotted name from its source.
 - `static_shapes`, `symbolic_sizes`, `user_frame`: a model error traced with symbolic sizes (``s27``) traced
   again with the call's own sizes, and the line of the model's code that failed.
 - `capture_config`: the config patch our captures run under (made once per model: torch keeps a ContextVar
@@ -148,6 +149,13 @@ def traced_module(gm: torch.fx.GraphModule) -> nn.Module | None:
                 return root
         frame = frame.f_back
     return None
+
+
+def weight_path(placeholder: torch.fx.Node) -> str:
+    """``blocks.3.lin.weight``, from dynamo's source of a module's parameter (else the placeholder's name)."""
+    grapharg = placeholder.meta.get("grapharg")
+    source = grapharg.source.name if grapharg is not None else ""
+    return ".".join(re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source)) or placeholder.name
 
 
 def module_being_compiled() -> nn.Module | None:

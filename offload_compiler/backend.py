@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import re
 import traceback
 import weakref
 from typing import Any, Callable
@@ -18,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import ops  # noqa: F401  (registers the transfer ops)
+from ._dynamo import weight_path
 from .grouping import GroupSpec, plan_groups
 from .lowering import compile_for_inductor, lower_for_eager
 from .passes.analysis import collect_uses, weight_inputs
@@ -224,17 +224,10 @@ def _refuse_parameters_added_later(gm: fx.GraphModule, example_inputs: list, rt:
     """A graph reading a parameter that offloading never saw (a block appended, a module or parameter replaced
     after offloading): it would read that parameter wherever it is, un-offloaded, and silently."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    new = [_weight_path(node) for node, value in zip(placeholders, example_inputs) if isinstance(value, nn.Parameter)
+    new = [weight_path(node) for node, value in zip(placeholders, example_inputs) if isinstance(value, nn.Parameter)
            and id(value) not in rt.group_of and id(value) not in rt.unmanaged_ids]
     if new:
         raise RuntimeError(_not_held(rt, ", ".join(new[:4]) + (" ..." if len(new) > 4 else "")))
-
-
-def _weight_path(placeholder: fx.Node) -> str:
-    """``blocks.3.lin.weight`` from dynamo's source of a module's parameter."""
-    grapharg = placeholder.meta.get("grapharg")
-    source = grapharg.source.name if grapharg is not None else ""
-    return ".".join(re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source)) or placeholder.name
 
 
 def _not_held(rt: OffloadRuntime, what: str) -> str:

@@ -697,12 +697,13 @@ def _weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:
         offloaded = {id(slot.tensor) for group in state.runtime.groups for slot in group.slots}
     else:
         offloaded = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    by_path = dict(model.named_modules(remove_duplicate=False))
     holders: dict[nn.Module, None] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
+    for path, module in by_path.items():
         own = itertools.chain(module._parameters.values(), module._buffers.values())
         if path and any(id(t) in offloaded for t in own if t is not None):
-            parts = path.split(".")
-            holders.update((model.get_submodule(".".join(parts[:end])), None) for end in range(1, len(parts) + 1))
+            names = path.split(".")
+            holders.update((by_path[".".join(names[:end])], None) for end in range(1, len(names) + 1))
     return list(holders)
 
 

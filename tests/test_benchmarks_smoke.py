@@ -161,3 +161,12 @@ def test_first_output_small(tmp_path):
         assert r["total_s"] >= r["first_call_s"] > 0 and r["capture_s"] > 0
     ours = methods["ours-eager"]
     assert ours["ratio_to_plain"] > 0 and ours["breakdown_s"]["pack"] > 0 and ours["breakdown_s"]["passes"] > 0
+
+
+def test_call_fixed_cost_small(tmp_path):
+    out = tmp_path / "call_fixed_cost.json"
+    _run("call_fixed_cost.py", "--blocks", "4", "--number", "20", "--repeats", "2", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert "call_fixed_cost.py" in data["command"]
+    assert data["walked"] == {"routed parts": 4 * 3, "hook dicts": 2 * (1 + 1 + 4 * 3), "groups": 4}
+    assert all(v > 0 for v in data["us_per_call"].values()) and data["summary"]["us_per_group"] > 0

@@ -91,7 +91,8 @@ _RETURNS_ITS_INPUT = {
 def _may_be_its_input(node: fx.Node, source: fx.Node | None) -> bool:
     """Whether ``node`` may hand back ``source`` itself when it runs, though the fake trace made a new tensor:
     dropout in eval mode (or with ``p=0``) returns its input eagerly, while its traced value owns a storage of
-    its own. (Of about fifty ops that may return an input unchanged, only the dropouts showed this.)"""
+    its own. (An op inductor alone lowers to a view of its input, a zero-width pad, is handled where inductor
+    is: `insert.needs_materializing`.)"""
     if node.op != "call_function" or node.target not in _RETURNS_ITS_INPUT:
         return False
     first = node.args[0] if node.args else node.kwargs.get("input")  # F.dropout(input=w, ...) traces as a keyword
