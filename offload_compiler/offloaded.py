@@ -74,7 +74,8 @@ class OffloadState:
     unplanned: list = dataclasses.field(default_factory=list)  # auto on a pipeline: denoisers planned at their first call
     plans: dict = dataclasses.field(default_factory=dict)  # auto on a pipeline: denoiser path -> its plan
     parts: dict = dataclasses.field(default_factory=dict)  # module -> (its __dict__, its `_RoutedPart`, its forward
-    #   set on the instance before offloading or None): the other modules holding weights
+    #   set on the instance before offloading or None): the other modules holding weights (`add_part`)
+    lifting: tuple | None = None  # `parts` arranged for lifting them at every call (`_lift_parts`)
     routing: int = 0  # depth of offloaded calls (and captures) running now
     refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
     ended: bool = False
@@ -122,12 +123,7 @@ class OffloadState:
         saved = [(key, key[0].__dict__.get(key[1])) for key in self.forwards]
         for (module, method), forward in self.forwards.items():
             module.__dict__[method] = forward.through
-        parts = () if self.routing else self.parts.values()  # lifted by the outermost call (`_RoutedPart`)
-        for attributes, _, previous in parts:
-            if previous is None:
-                del attributes["forward"]
-            else:
-                attributes["forward"] = previous
+        lifted = None if self.routing else self._lift_parts()  # by the outermost call only (`_RoutedPart`)
         self.routing += 1
         try:
             yield
@@ -135,8 +131,34 @@ class OffloadState:
             self.routing -= 1
             for (module, method), previous in saved:
                 module.__dict__[method] = previous
-            for attributes, part, _ in parts:
-                attributes["forward"] = part
+            if lifted is not None:
+                for attributes, part in zip(*lifted):
+                    attributes["forward"] = part
+
+    def add_part(self, module: nn.Module) -> None:
+        """Route ``module`` (it holds offloaded weights) through a `_RoutedPart` of its own."""
+        previous = module.__dict__.get("forward")
+        part = module.__dict__["forward"] = _RoutedPart(module, self, previous)
+        self.parts[module] = (module.__dict__, part, previous)
+        self.lifting = None
+
+    def _lift_parts(self) -> tuple[list, list]:
+        """Take every part's forward off its module (the module's own forward, or the one set on the instance
+        before offloading, shows through); returns what puts them back. This runs at every call, for every part
+        (hundreds in a large model), so the lists are made once and the loops are bare (in CPython 3.11 a plain
+        loop of ``del d[k]`` beats ``map(dict.__delitem__, ...)`` and ``operator.delitem``)."""
+        if self.lifting is None:
+            own = [(attributes, previous) for attributes, _, previous in self.parts.values() if previous is not None]
+            self.lifting = ([attributes for attributes, _, previous in self.parts.values() if previous is None],
+                            [attributes for attributes, _ in own], [previous for _, previous in own],
+                            [attributes for attributes, _, _ in self.parts.values()],
+                            [part for _, part, _ in self.parts.values()])
+        plain, own, previous, dicts, parts = self.lifting
+        for attributes in plain:
+            del attributes["forward"]
+        for attributes, forward in zip(own, previous):
+            attributes["forward"] = forward
+        return dicts, parts
 
     def plan_now(self, args: tuple, kwargs: dict) -> OffloadPlan:
         """``auto``: plan from this call of the whole model (nothing runs), then build the runtime and the
@@ -374,11 +396,10 @@ class _OffloadedForward:
                 if path in state.unplanned:
                     state.plan_component(path, args, kwargs)
             runtime = state.runtime
-            args, kwargs = self._inputs_on_device(args, kwargs, runtime.device)
+            args, kwargs, needs_grad = self._inputs_on_device(args, kwargs, runtime.device)
             calls, skipped, breaks = runtime.graph_calls, skipped_frames(), graph_breaks()
             runtime.used_groups.clear()
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
-            grad = torch.is_grad_enabled()
             try:
                 with torch.no_grad(), state.limits, state.tracing_through(), measure:
                     out = self._run(runtime, args, kwargs)
@@ -392,11 +413,11 @@ class _OffloadedForward:
                     f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
             if skipped_frames() != skipped:
                 self._check_no_eager_reads(state, runtime, graph_breaks_since(breaks))
-        return _inference_only(out) if grad and self._trainable() else out
+        return _inference_only(out) if needs_grad or self._trainable() else out
 
     def _trainable(self) -> bool:
-        """The plain module's outputs would require grad (grad mode on, a weight that requires grad)."""
-        return any(p.requires_grad for p in self._module.parameters())
+        """The plain module's outputs would require grad for its weights: grad mode on, a weight requiring it."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self._module.parameters())
 
     def _check_no_eager_reads(self, state: OffloadState, runtime: OffloadRuntime, reasons: list[str]) -> None:
         """Dynamo ran part of this call without a graph (a frame with a graph break inside a loop, or past its
@@ -455,18 +476,18 @@ class _OffloadedForward:
         short.offload_trace = exc
         return short
 
-    def _inputs_on_device(self, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    def _inputs_on_device(self, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict, bool]:
         """Tensor inputs elsewhere than the compute device are moved there (warned once); data-less (meta)
-        inputs are refused, and so are inputs that require grad (inference only)."""
+        inputs are refused. Also says whether an input requires grad (the outputs then do, as the plain
+        model's would: `_inference_only`)."""
+        tensors = list(_tensor_leaves((args, kwargs)))
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if all(t.device == device for t in tensors):  # every call but a misplaced one: nothing to rebuild
+            return args, kwargs, needs_grad
         moved = []
 
         def place(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
-            if value.requires_grad and torch.is_grad_enabled():
-                raise ValueError("an input requires grad, but an offloaded model runs inference only (no backward "
-                                 "through the transfers): pass inputs.detach(), or train the model un-offloaded")
-            if value.device == device:
+            if not isinstance(value, torch.Tensor) or value.device == device:
                 return value
             if value.is_meta:
                 raise ValueError(f"an input is on the meta device, so it has no data to compute on; pass real "
@@ -479,7 +500,28 @@ class _OffloadedForward:
             self._warned_inputs = True
             warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
                           f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=5)
-        return args, kwargs
+        return args, kwargs, needs_grad
+
+
+_ATOMS = (bool, int, float, str, type(None))
+
+
+def _tensor_leaves(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors among a call's arguments, as ``pytree.tree_leaves`` finds them: plain tuples, lists and
+    dicts are walked here (this runs at every call, and pytree's generic walk costs tens of µs on a
+    decode step's arguments), any other value by pytree."""
+    stack = [tree]
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is tuple or kind is list:
+            stack.extend(value)
+        elif kind is dict:
+            stack.extend(value.values())
+        elif isinstance(value, torch.Tensor):
+            yield value
+        elif kind not in _ATOMS:
+            yield from (leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor))
 
 
 def _own_frame(function: Any) -> Any:
@@ -685,9 +727,7 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
     routed = {module for module, _ in state.forwards}
     for module in _weight_holders(state, model):
         if module not in routed and module not in state.parts and type(module).forward is not nn.Module.forward:
-            previous = module.__dict__.get("forward")
-            part = module.__dict__["forward"] = _RoutedPart(module, state, previous)
-            state.parts[module] = (module.__dict__, part, previous)
+            state.add_part(module)
 
 
 def _weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:

@@ -72,6 +72,26 @@ def test_backward_through_an_offloaded_model_says_inference_only_and_names_the_f
     for p in m.parameters():  # frozen weights: the plain model's output needs no grad, nor does ours
         p.requires_grad_(False)
     assert not m(x).requires_grad
+    probe = x.clone().requires_grad_()  # an input that requires grad (a saliency map): so does the output
+    y = m(probe)
+    assert y.requires_grad and torch.equal(y.detach(), expected)
+    with pytest.raises(RuntimeError, match="runs inference only"):
+        y.sum().backward()
+    assert probe.grad is None
+
+
+def test_parts_chain_with_grad_mode_on_as_the_plain_modules_do():
+    """One part's output (it requires grad, as the plain block's would) is the next part's input: it runs, and
+    only a backward is refused. Before, the second call refused the first one's output as an input."""
+    m, x, expected, snapshot = _offloaded()
+    h = x
+    for block in m.blocks:
+        h = torch.relu(block(h))
+    y = m.head(h)
+    assert y.requires_grad and torch.equal(y.detach(), expected)
+    with pytest.raises(RuntimeError, match="runs inference only"):
+        y.sum().backward()
+    _still_whole(m, x, expected, snapshot)
 
 
 def test_a_wrong_input_shape_is_one_short_error_with_the_shapes_given(capfd):
@@ -109,6 +129,26 @@ def test_a_part_called_from_python_streams_through_its_own_graph():
         assert stats.fetch_count == 1 and stats.live_device_bytes == 0, name
     assert m.width() == 8  # a method that computes nothing runs as before
     _still_whole(m, x, expected, snapshot)
+
+
+def test_a_part_whose_weights_stay_on_the_device_fetches_nothing_and_the_check_says_so():
+    """``budget`` streams two blocks and keeps the rest resident: the head's own graph fetches nothing, as its plan
+    says, and `assert_traffic_matches_plan` accepts that (it said "no offloaded graph ran" before)."""
+    m, x, expected, snapshot = _offloaded()
+    m = offload_compile(remove_offload(m), OffloadPolicy(strategy="budget", offload_gb=2 * 72 * 4 / 1e9, **CPU))
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+        expected_head = F.linear(x, snapshot["head.weight"], snapshot["head.bias"])
+        reset_offload_stats(m)
+        assert torch.equal(m.head(x), expected_head)
+    stats = assert_traffic_matches_plan(m, resident_filled=True)
+    assert stats.fetch_count == 0 and stats.bytes_transferred == 0
+    reset_offload_stats(m)
+    with pytest.raises(AssertionError, match="no offloaded graph ran"):
+        assert_traffic_matches_plan(m, resident_filled=True)
+    with torch.no_grad():
+        assert torch.equal(m.blocks[0](x), F.linear(x, snapshot["blocks.0.weight"], snapshot["blocks.0.bias"]))
+    assert assert_traffic_matches_plan(m, resident_filled=True).fetch_count == 1  # a streamed block's part
 
 
 def test_a_copy_of_a_part_is_a_plain_module_and_pickling_one_names_the_fix():
