@@ -17,6 +17,8 @@ from offload_compiler.lowering import DIRECT_TRANSFER, lower_for_eager
 from offload_compiler.passes.fuse import EVICT, PREFETCH, fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matches_plan, build_block_model
+from offload_compiler.testing.models import llama
+from test_backend import _PostNormStack  # noqa: E402  (tests/ is on the path, as for capture.py)
 
 OPS = torch.ops.offload_compiler
 SPEC = ModelSpec(16, (BlockSpec("mlp", 32), BlockSpec("attention", 1), BlockSpec("mlp", 16)), False, True, 4, 2)
@@ -255,3 +257,92 @@ def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_se
     transfers = sum(e.count for e in prof.key_averages() if e.key == "offload_compiler::transfer")
     assert transfers == code.count(f"= {DIRECT_TRANSFER}(") == len(runtime._transfer_plans)
     assert offload_stats(m).fetch_count == runtime.graph_plans[0].verified.fetches
+
+
+MATERIALIZE_CALL = "offload_compiler.materialize.default"  # how either wrapper (Python, C++) names a call of the op
+
+
+def _post_norm_stack():
+    torch.manual_seed(0)
+    return _PostNormStack().eval(), (torch.randn(1, 4, 16),), {}
+
+
+def _llama():
+    model, kwargs = llama()
+    return model, (), kwargs
+
+
+def _tensor(out) -> torch.Tensor:
+    return getattr(out, "logits", out)
+
+
+@pytest.mark.parametrize("build", [_post_norm_stack, pytest.param(_llama, marks=pytest.mark.slow)])
+def test_inductor_computes_each_materialized_reader_itself_and_reads_no_weight_after_its_evict(build):
+    """Each materialized weight reader (Gemma's post-norm ``1 + w``, RMSNorm's ``w * x``) is a buffer written by
+    inductor's own kernel, the reader fused into it: no extern call of the op per reader per call. Later kernels
+    still read that buffer, never the weight, and the evict still follows it: with ``debug_poison`` (evicted
+    slots overwritten) the outputs are bit-equal to the plain model's under inductor, call after call."""
+    from capture import capture
+    from torch._inductor.utils import run_and_get_code
+    model, args, kwargs = build()
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor", debug_poison=True)
+    gm, inputs = capture(model, *args, **kwargs)
+    rewritten, _, _ = rewrite_graph(gm, inputs, OffloadRuntime(policy, plan_groups(model, policy), pack_now=False))
+    assert _count(rewritten, OPS.materialize.default) > 0
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = _tensor(torch.compile(copy.deepcopy(model), backend="inductor")(*args, **kwargs))
+        m = offload_compile(copy.deepcopy(model), policy)
+        out, (code, *_) = run_and_get_code(m, *args, **kwargs)
+        again = m(*args, **kwargs)
+    assert MATERIALIZE_CALL not in code and f"= {DIRECT_TRANSFER}(" in code
+    assert torch.equal(_tensor(out), expected) and torch.equal(_tensor(again), expected)
+    assert_traffic_matches_plan(m)
+
+
+# value readers: (the reader, the weight, the other input), read as materialize(reader(w)) + x
+_READERS = {
+    "pointwise": (lambda w: w * 3, torch.randn(4, 8), torch.randn(4, 8)),
+    "transposed view": (lambda w: w.t(), torch.randn(8, 4), torch.randn(4, 8)),
+    "transposed pointwise": (lambda w: w.t() * 2, torch.randn(8, 4), torch.randn(4, 8)),
+    "expanded": (lambda w: w.expand(4, 8), torch.randn(8), torch.randn(4, 8)),
+    "strided slice": (lambda w: w[:, ::2], torch.randn(4, 16), torch.randn(4, 8)),
+    "zero pad": (lambda w: torch.nn.functional.pad(w, (0, 0)), torch.randn(4, 8), torch.randn(4, 8)),
+    "bfloat16": (lambda w: w * 2, torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()),
+    "int8": (lambda w: w.neg(), torch.randint(-9, 9, (4, 8), dtype=torch.int8), torch.ones(4, 8, dtype=torch.int8)),
+    "bool": (lambda w: ~w, torch.rand(4, 8) > 0.5, torch.rand(4, 8) > 0.5),
+}
+
+
+@pytest.mark.parametrize("wrapper", ["python", pytest.param("cpp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("reader", list(_READERS))
+def test_inductor_lowers_materialize_to_a_copy_of_any_layout_and_dtype(reader, wrapper):
+    """The lowering computes what the op returns (a copy with the strides of ``torch.empty_like``) for views,
+    non-contiguous and expanded readers and other dtypes, in either wrapper, with no call of the op; the copy
+    is the output too, so its layout is the op's. A complex value, which inductor does not compute, keeps the
+    op."""
+    from torch._inductor.utils import run_and_get_code
+    from offload_compiler.lowering import register_materialize_lowering
+    register_materialize_lowering()
+    read, w, x = _READERS[reader]
+
+    def fn(w, x):
+        copied = OPS.materialize.default(read(w))
+        return copied, copied + x
+
+    expected = fn(w, x)
+    with torch._inductor.config.patch(cpp_wrapper=wrapper == "cpp"):
+        out, (code, *_) = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), w, x)
+    assert MATERIALIZE_CALL not in code
+    for got, want in zip(out, expected):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_inductor_keeps_the_materialize_op_for_a_complex_value():
+    from torch._inductor.utils import run_and_get_code
+    from offload_compiler.lowering import register_materialize_lowering
+    register_materialize_lowering()
+    fn = lambda w: OPS.materialize.default(w * 2) + 1  # noqa: E731
+    w = torch.randn(4, 8, dtype=torch.complex64)
+    out, (code, *_) = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), w)
+    assert MATERIALIZE_CALL in code and torch.equal(out, fn(w))
