@@ -10,6 +10,8 @@
   again with the call's own sizes, and the line of the model's code that failed.
 - `capture_config`: the config patch our captures run under (made once per model: torch keeps a ContextVar
   per patch object): raised recompile limits, and logging calls traced as no-ops.
+- `compile_under_config`, `config_for_call`: ``torch.compile`` of an offloaded call's function with
+  `capture_config` in force only while dynamo compiles one of its frames (nothing entered on a steady call).
 - `graph_breaks`, `graph_breaks_since`: the reasons of the graph breaks of one call, for an error that follows
   from one.
 - `module_being_compiled`: the model inside the ``torch.compile`` wrapper whose call dynamo is compiling.
@@ -17,14 +19,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
 from torch._dynamo.utils import counters
@@ -59,6 +63,121 @@ def capture_config():
     break inside a loop, and dynamo runs that frame without a graph, reading the weights from host memory."""
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT,
                                       ignore_logging_functions=_logging_methods())
+
+
+def compile_under_config(function: Callable, **options: Any) -> Callable:
+    """``torch.compile(function, **options)``, with `capture_config` in force exactly while dynamo compiles a
+    frame under it: its own frame, and every frame it compiles during its calls (resume functions after a graph
+    break, functions called from the parts it runs eagerly). A steady call, which compiles nothing, enters no
+    config patch (``config_for_call`` gives an empty context), and code compiled by anyone else keeps torch's
+    defaults.
+
+    How (dynamo's private structure, the same in torch 2.11 and 2.13): ``torch.compile`` returns a
+    ``compile_wrapper`` closure that installs its ``callback`` (a ``CatchErrorsWrapper``), as
+    ``_callback_from_stance(callback)`` gives it, as the eval-frame callback for the frames under the call. The
+    C eval-frame hook calls that callback only on a cache miss (guards of every cached entry failed), and it
+    stays the callback of nested frames. The callback checks whether the frame is to be skipped (torch's own
+    files, a generator resumed), then, holding dynamo's ``compile_lock``, calls its
+    ``_torchdynamo_orig_backend``: the ``ConvertFrame`` (``ConvertFrameAssert`` under ``fullgraph``), whose call
+    is where dynamo compiles -- the recompile-limit check (``exceeds_recompile_limit``), the tracing (where a
+    logging call met is a no-op if listed in ``ignore_logging_functions``), and our backend. That converter is
+    replaced by `_ConfigDuringCompile`, which runs it under the patch (frames that the callback skips never
+    enter it).
+    The replacement keeps the ``_torchdynamo_orig_backend`` chain (``callback -> converter -> backend``) that
+    dynamo walks for the cache entries' backend identity (C ``get_backend``, ``innermost_backend``) and for its
+    stances (``eager_then_compile`` takes ``callback._torchdynamo_orig_backend._torchdynamo_orig_backend`` as
+    the backend), and forwards every other attribute to the converter (``_export``, ``_clone_with_backend``).
+
+    A stance other than the default (``torch.compiler.set_stance``: ``force_eager``, ``eager_then_compile``, a
+    forced backend...) installs a callback of torch's own instead of ours; `config_for_call` then enters the
+    patch around the whole call, as it does when this torch's structure is not recognized here (the function is
+    then compiled exactly as ``torch.compile`` makes it)."""
+    compiled = torch.compile(function, **options)
+    if _install_config(compiled):
+        compiled.__dict__[_CONFIG_IN_COMPILES] = True
+    return compiled
+
+
+def config_for_call(compiled: Callable, patch: Any) -> Any:
+    """What a call of ``compiled`` (from `compile_under_config`) enters: nothing when its compiles carry the config
+    themselves and the stance lets them; else ``patch`` (a `capture_config`, kept by the caller)."""
+    if compiled.__dict__.get(_CONFIG_IN_COMPILES) and _default_stance():
+        return _NOTHING
+    return patch
+
+
+_CONFIG_IN_COMPILES = "_offload_config_in_compiles"
+_NOTHING = contextlib.nullcontext()
+_CONVERTERS = tuple(getattr(_convert_frame, name) for name in ("ConvertFrame", "ConvertFrameAssert")
+                    if isinstance(getattr(_convert_frame, name, None), type))
+_compiling_under_config = False  # set while a `_ConfigDuringCompile` runs (under dynamo's compile lock)
+
+
+def _default_stance() -> bool:
+    """Whether the stance lets ``compile_wrapper`` install its own callback (``_callback_from_stance``)."""
+    try:
+        stance = _eval_frame._stance
+        return stance.stance == "default" and stance.backend is None
+    except AttributeError:  # not this torch's structure: the patch around every call
+        return False
+
+
+def _install_config(compiled: Callable) -> bool:
+    """Put `capture_config` around the frame converter of ``compiled`` (see `compile_under_config`); False, with
+    nothing changed, where this torch's structure is not the one described there."""
+    catch_errors = getattr(_convert_frame, "CatchErrorsWrapper", None)
+    code, closure = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None)
+    if catch_errors is None or not _CONVERTERS or code is None or not closure:
+        return False
+    cells = dict(zip(code.co_freevars, closure))
+    try:
+        callback, context = cells["callback"].cell_contents, cells["self"].cell_contents
+    except (KeyError, ValueError):  # no such free variable, or an empty cell
+        return False
+    if not (isinstance(context, _eval_frame._TorchDynamoContext) and context.callback is callback
+            and "_callback_from_stance" in code.co_names and type(callback) is catch_errors
+            and {"_torchdynamo_orig_backend", "compile_lock"} <= set(catch_errors.__call__.__code__.co_names)
+            and isinstance(callback.__dict__.get("_torchdynamo_orig_backend"), _CONVERTERS)):
+        return False
+    converter = callback._torchdynamo_orig_backend
+    wrapped = _ConfigDuringCompile(converter, capture_config())
+    if _eval_frame.innermost_backend(wrapped) is not _eval_frame.innermost_backend(converter):
+        return False
+    callback._torchdynamo_orig_backend = wrapped
+    return True
+
+
+class _ConfigDuringCompile:
+    """Dynamo's frame converter of one compiled function, run with `capture_config` in force (see
+    `compile_under_config`). Called by ``CatchErrorsWrapper`` holding dynamo's ``compile_lock``, so the patch
+    (global in torch 2.11, per thread in 2.13) is never in force while another thread compiles; a compile
+    nested in one (on the same thread) finds it already in force."""
+
+    def __init__(self, converter: Callable, patch: Any) -> None:
+        self._converter = converter
+        self._patch = patch
+        self._torchdynamo_orig_backend = converter._torchdynamo_orig_backend  # a plain attribute: C reads it
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        global _compiling_under_config
+        if "skip" in kwargs:  # stack frames that dynamo's logs elide: this one too
+            kwargs["skip"] += 1
+        if _compiling_under_config:
+            return self._converter(*args, **kwargs)
+        _compiling_under_config = True
+        try:
+            with self._patch:
+                return self._converter(*args, **kwargs)
+        finally:
+            _compiling_under_config = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_converter", "_patch"):
+            raise AttributeError(name)
+        value = getattr(self._converter, name)
+        if name == "_clone_with_backend":  # DDPOptimizer's converter for its own backend: under the config too
+            return lambda backend: _ConfigDuringCompile(value(backend), capture_config())
+        return value
 
 
 def _logging_methods() -> set:

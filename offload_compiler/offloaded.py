@@ -44,8 +44,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dynamo import capture_config, compiled_module_of, graph_breaks, graph_breaks_since, is_tracing_error, \
-    model_error, module_being_compiled, skipped_frames, static_shapes, symbolic_sizes, traced_module, user_frame
+from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, graph_breaks, \
+    graph_breaks_since, is_tracing_error, model_error, module_being_compiled, skipped_frames, static_shapes, \
+    symbolic_sizes, traced_module, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -80,7 +81,8 @@ class OffloadState:
     refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    limits: Any = dataclasses.field(default_factory=capture_config)
+    limits: Any = dataclasses.field(default_factory=capture_config)  # entered around a call only where its
+    #   compiles cannot carry it themselves (`_dynamo.config_for_call`)
 
     def __post_init__(self) -> None:
         if self.modules is None and isinstance(self.owner, nn.Module):
@@ -400,9 +402,10 @@ class _OffloadedForward:
             calls, skipped, breaks = runtime.graph_calls, skipped_frames(), graph_breaks()
             runtime.used_groups.clear()
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
+            compiled = self._compiled or self._compile(runtime)
             try:
-                with torch.no_grad(), state.limits, state.tracing_through(), measure:
-                    out = self._run(runtime, args, kwargs)
+                with torch.no_grad(), config_for_call(compiled, state.limits), state.tracing_through(), measure:
+                    out = self._run(compiled, args, kwargs)
             finally:
                 if not state.routing:
                     state.adopt_hooks()
@@ -439,12 +442,16 @@ class _OffloadedForward:
 
     __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
 
-    def _run(self, runtime: OffloadRuntime, args: tuple, kwargs: dict) -> Any:
-        if self._compiled is None:
-            self._compiled = torch.compile(_own_frame(self.forward), backend=RuntimeBackend(runtime),
-                                           fullgraph=runtime.policy.fullgraph)
+    def _compile(self, runtime: OffloadRuntime) -> Any:
+        """The module's forward compiled with our backend; dynamo's raised limits and logging calls traced as no-ops
+        (`_dynamo.capture_config`) are in force while it compiles, not while it runs."""
+        self._compiled = compile_under_config(_own_frame(self.forward), backend=RuntimeBackend(runtime),
+                                              fullgraph=runtime.policy.fullgraph)
+        return self._compiled
+
+    def _run(self, compiled: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            return self._compiled(*args, **kwargs)
+            return compiled(*args, **kwargs)
         except Exception as exc:
             error = model_error(exc) if is_tracing_error(exc) else None
             if error is None:
@@ -452,7 +459,7 @@ class _OffloadedForward:
             if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes
                 try:
                     with static_shapes():
-                        return self._compiled(*args, **kwargs)
+                        return compiled(*args, **kwargs)
                 except Exception as again:
                     static_error = model_error(again) if is_tracing_error(again) else None
                     if static_error is not None:
