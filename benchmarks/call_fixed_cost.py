@@ -5,7 +5,9 @@ compute: it lifts the routed parts (`_RoutedPart`, one per module holding weight
 (`OffloadState.tracing_through`), enters what dynamo's config needs for the call (`_dynamo.config_for_call`:
 nothing on a steady call, since our compiles carry `_dynamo.capture_config` themselves; a library without it
 entered that config patch around every call), snapshots dynamo's graph-break counters, and checks every hook
-dict (`HookWatch.change`, twice). Each piece is timed alone (``timeit``, best of ``--repeats``), with the number
+dict (`HookWatch.change`, twice); it also looks at every tensor among the call's arguments (moved to the device
+if elsewhere, `_OffloadedForward._inputs_on_device`), timed on a decode step's arguments (``input_ids``, a KV
+cache object, ``use_cache``). Each piece is timed alone (``timeit``, best of ``--repeats``), with the number
 of modules it walks; a whole steady call of the model is timed too, for reference (not part of the sum).
 
     python benchmarks/call_fixed_cost.py                 # writes benchmarks/results/call_fixed_cost.json
@@ -34,6 +36,10 @@ def _entered(context) -> None:
         pass
 
 
+class _Cache:
+    """Stands for a KV cache object among a decode step's arguments (not a pytree node, as transformers')."""
+
+
 def _call_config(state):
     """What a call enters for dynamo's config: ``config_for_call`` where the library has it, else the patch that
     every call entered before it (so that this script times either tree, before and after)."""
@@ -58,7 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
         m(torch.randn(1, 64))
     state = state_of(m)
     call_config = _call_config(state)
+    forward = state.forwards[(state.owner, "forward")]
+    decode_step = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "past_key_values": _Cache(), "use_cache": True}
     pieces = {
+        "argument scan (a decode step's)": lambda: forward._inputs_on_device((), decode_step, state.runtime.device),
         "lift and restore the routed parts": lambda: _entered(state.tracing_through()),
         "dynamo config for the call": lambda: _entered(call_config()),
         "graph-break snapshot": graph_breaks,

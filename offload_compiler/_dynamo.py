@@ -187,6 +187,27 @@ def _logging_methods() -> set:
     return set(torch._dynamo.config.ignore_logging_functions) | found
 
 
+class _ConfigRecordOfFunctions(logging.Filter):
+    """torch 2.11 records, with each compile's metrics, the dynamo config with every set in it sorted; the
+    functions in `capture_config`'s ``ignore_logging_functions`` do not sort, so every compile under it printed
+    an "Unexpected exception logging compilation metrics" traceback to stderr (torch 2.13 leaves that set out
+    of the record). The record is lost either way; that traceback, and only it, is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, TypeError):
+            return True
+        trace = error.__traceback__
+        while trace is not None:
+            if trace.tb_frame.f_code.co_name == "_get_dynamo_config_for_logging":
+                return False
+            trace = trace.tb_next
+        return True
+
+
+logging.getLogger("torch._dynamo.metrics_context").addFilter(_ConfigRecordOfFunctions())
+
+
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
 

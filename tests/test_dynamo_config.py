@@ -164,3 +164,33 @@ def test_a_stance_that_replaces_the_callback_falls_back_to_the_patch_around_the_
     with torch.compiler.set_stance("force_eager"):
         assert config_for_call(compiled, patch) is patch
     assert config_for_call(torch.compile(lambda y: y + 1, backend="eager"), patch) is patch  # not ours
+
+
+def test_torch_2_11s_failing_config_record_is_the_only_metrics_error_dropped():
+    """torch 2.11 sorts the config's sets when it records a compile's metrics, and fails on our logging functions
+    (a traceback on stderr at every compile; 2.13 leaves that set out). That failure's log record is dropped;
+    any other error of the metrics logger still shows."""
+    def _get_dynamo_config_for_logging():  # the name of torch 2.11's function that sorts the sets
+        return sorted({logging.Logger.warning, logging.Logger.info})
+
+    def other_metrics_code():
+        return sorted({logging.Logger.warning, logging.Logger.info})
+
+    class Kept(logging.Handler):
+        records: list = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    metrics_log = logging.getLogger("torch._dynamo.metrics_context")  # torch's loggers do not propagate to root
+    kept = Kept(logging.ERROR)
+    metrics_log.addHandler(kept)
+    try:
+        for failing in (_get_dynamo_config_for_logging, other_metrics_code):
+            try:
+                failing()
+            except TypeError:
+                metrics_log.exception("Unexpected exception logging compilation metrics")
+    finally:
+        metrics_log.removeHandler(kept)
+    assert [r.exc_info[2].tb_next.tb_frame.f_code.co_name for r in kept.records] == ["other_metrics_code"]
