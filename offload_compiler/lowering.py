@@ -135,8 +135,10 @@ def _replace(node: fx.Node, call_function, index_args: tuple) -> None:
 
 
 # inductor's per-output checks of extern kernels' results; the transfer op's leaves are described exactly to it
-# (`register_transfer_lowering`), and these checks would cost two calls per leaf per call
-_INDUCTOR_CONFIG = {"size_asserts": False, "alignment_asserts": False}
+# (`register_transfer_lowering`), and these checks would cost two calls per leaf per call. Always the Python
+# wrapper: inductor's C++ wrapper (torch 2.13) reads the transfer op's Tensor[] result as one tensor and crashes
+# the process, so a global ``cpp_wrapper=True`` must not reach our graphs
+_INDUCTOR_CONFIG = {"size_asserts": False, "alignment_asserts": False, "cpp_wrapper": False}
 ALIGNMENT = 16  # bytes: what inductor assumes of an extern kernel's outputs unless told otherwise
 
 
@@ -221,8 +223,9 @@ def _call_directly(leaves: list) -> None:
     """Inductor's Python wrapper calls `ops.transfer_direct` itself, not the op: an op call from the generated
     code goes through ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the returned
     leaves, and back into Python (about 6 µs per group on this CPU, more than the transfer's own work). Both run
-    `OffloadRuntime.run_transfer`, so nothing else changes. A C++ wrapper (AOTInductor) keeps the op, and so does
-    an IR this function does not recognise (a torch version that shapes it otherwise): correct, only slower."""
+    `OffloadRuntime.run_transfer`, so nothing else changes. An IR this function does not recognise (a torch
+    version that shapes it otherwise) keeps the op: correct, only slower. (Our graphs never use inductor's C++
+    wrapper: `_INDUCTOR_CONFIG`.)"""
     from torch._inductor.virtualized import V
     kernel = _fallback_kernel(leaves)
     if kernel is None:

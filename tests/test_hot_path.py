@@ -259,6 +259,23 @@ def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_se
     assert offload_stats(m).fetch_count == runtime.graph_plans[0].verified.fetches
 
 
+def test_a_global_cpp_wrapper_does_not_reach_our_graphs():
+    """With ``torch._inductor.config.cpp_wrapper = True`` set by the user, inductor's C++ wrapper read the
+    transfer op's Tensor[] result as one tensor and the process crashed (torch 2.13); our graphs always take the
+    Python wrapper, which calls the transfer directly."""
+    model, x = build_block_model(SPEC, 3)
+    expected = model(x).detach()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor"))
+    from torch._inductor.utils import run_and_get_code
+    with torch.no_grad(), torch._inductor.config.patch(cpp_wrapper=True):
+        out, (code, *_) = run_and_get_code(m, x)
+        torch.testing.assert_close(out, expected)
+        reset_offload_stats(m)
+        torch.testing.assert_close(m(x), expected)
+    assert f"= {DIRECT_TRANSFER}(" in code
+    assert_traffic_matches_plan(m)
+
+
 MATERIALIZE_CALL = "offload_compiler.materialize.default"  # how either wrapper (Python, C++) names a call of the op
 
 
