@@ -52,9 +52,17 @@ def graph_breaks() -> dict[str, int]:
 
 
 def graph_breaks_since(before: dict[str, int]) -> list[str]:
-    """The first line of each graph-break reason dynamo met since ``before``."""
-    return [reason.strip().splitlines()[0] for reason, count in counters["graph_break"].items()
+    """Each graph-break reason dynamo met since ``before``, short (`short_reason`)."""
+    return [short_reason(reason) for reason, count in counters["graph_break"].items()
             if count > before.get(reason, 0)]
+
+
+def short_reason(text: str) -> str:
+    """The first line of dynamo's report, with its hints (``Hint: ...``, often the fix: "Enable tracing of
+    dynamic shape operators with ...capture_dynamic_output_shape_ops = True")."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    hints = [line for line in lines[1:] if line.startswith("Hint:")]
+    return " ".join(lines[:1] + hints)
 
 
 def capture_config():
@@ -261,8 +269,17 @@ def model_error(exc: BaseException) -> BaseException | None:
     return None
 
 
-def is_graph_break(exc: BaseException) -> bool:
-    return "graph break" in str(exc).lower() or type(exc).__name__ == "Unsupported"
+def cannot_capture_in_one_graph(exc: BaseException) -> bool:
+    """Dynamo cannot trace the code into one graph: a graph break under ``fullgraph=True``, or a value that
+    depends on tensor data (a data-dependent loop or size: ``UserError``, ``GuardOnDataDependentSymNode``)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    seen = exc
+    while seen is not None:
+        if (isinstance(seen, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                              GuardOnDataDependentSymNode)) or "graph break" in str(seen).lower()):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 _LOCAL = re.compile(r"^([LG])\['([^']+)'\]")

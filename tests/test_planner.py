@@ -187,6 +187,52 @@ def test_offload_plan_of_a_module_without_one():
                       options={"strategy": "auto", "device": "cpu", "device_budget_gb": 1})(torch.ones(2))
 
 
+class _DataDependentRouting(torch.nn.Module):
+    """Routes by counts read from tensor data, as a mixture of experts does (diffusers' HiDream `moe_infer`)."""
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        counts = (x > 0).sum(-1).bincount(minlength=3).cpu().numpy().cumsum(0)
+        for block, end in zip(self.blocks, counts):
+            if end:
+                x = block(x)
+        return x
+
+
+def test_auto_refuses_a_data_dependent_forward_with_the_fix_and_nothing_is_lost():
+    """Dynamo's data-dependent error (``UserError``: "Could not extract specialized integer from data-dependent
+    expression") escaped raw, with dynamo's full report, at every call; it is auto's refusal now."""
+    torch.manual_seed(0)
+    model, x = _DataDependentRouting().eval(), torch.randn(4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=1e-6))
+    for _ in range(2):  # refused the same way at every call
+        with pytest.raises(ValueError, match=r"cannot capture _DataDependentRouting as one \(.*data-dependent.*"
+                                             r"strategy='layerwise' or 'budget'"):
+            with torch.no_grad():
+                m(x)
+    plain = remove_offload(m)
+    assert all(torch.equal(v, snapshot[k]) for k, v in plain.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(plain(x), expected)
+
+
+def test_a_refusal_for_reading_host_memory_passes_on_dynamos_hint():
+    """Layerwise on the same model: the frame dynamo ran without a graph is refused, with dynamo's own hint for
+    that graph break (often the fix: diffusers' Mochi attention, ``torch.nonzero`` inside the block loop)."""
+    m = offload_compile(_DataDependentRouting().eval(), OffloadPolicy(strategy="layerwise", device="cpu"))
+    with pytest.raises(RuntimeError, match=r"read there from host memory.*Dynamic shape operator Hint: Enable "
+                                           r"tracing of dynamic shape operators.*capture_dynamic_output_shape_ops"):
+        with torch.no_grad():
+            m(torch.randn(4, 8))
+
+
 def test_cli_prints_the_plan_and_saves_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from offload_compiler.cli import main

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .._dynamo import is_graph_break, capture_config
+from .._dynamo import cannot_capture_in_one_graph, capture_config, short_reason
 
 
 class _Captured(Exception):
@@ -34,10 +34,11 @@ def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the
     except _Captured:
         pass
     except Exception as exc:
-        if is_graph_break(exc):
-            raise ValueError(f"strategy='auto' plans from one captured graph, but dynamo breaks the graph of "
-                             f"{name} ({exc}); fix the graph break (TORCH_LOGS=graph_breaks) "
-                             f"or use strategy='layerwise' or 'budget'") from exc
+        if cannot_capture_in_one_graph(exc):
+            raise ValueError(f"strategy='auto' plans from one captured graph, but dynamo cannot capture {name} as "
+                             f"one ({short_reason(str(exc))}); make that code traceable (TORCH_LOGS=graph_breaks "
+                             f"shows where) or use strategy='layerwise' or 'budget', which allow graph breaks "
+                             f"outside the block loop") from exc
         raise
     if not captured:
         raise RuntimeError(f"dynamo captured no graph from {name}; strategy='auto' cannot plan it")
