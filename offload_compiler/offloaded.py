@@ -76,7 +76,6 @@ class OffloadState:
     plans: dict = dataclasses.field(default_factory=dict)  # auto on a pipeline: denoiser path -> its plan
     parts: dict = dataclasses.field(default_factory=dict)  # module -> (its __dict__, its `_RoutedPart`, its forward
     #   set on the instance before offloading or None): the other modules holding weights (`add_part`)
-    lifting: tuple | None = None  # `parts` arranged for lifting them at every call (`_lift_parts`)
     routing: int = 0  # depth of offloaded calls (and captures) running now
     refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
     ended: bool = False
@@ -125,7 +124,12 @@ class OffloadState:
         saved = [(key, key[0].__dict__.get(key[1])) for key in self.forwards]
         for (module, method), forward in self.forwards.items():
             module.__dict__[method] = forward.through
-        lifted = None if self.routing else self._lift_parts()  # by the outermost call only (`_RoutedPart`)
+        parts = () if self.routing else self.parts.values()  # lifted by the outermost call (`_RoutedPart`)
+        for attributes, _, previous in parts:
+            if previous is None:
+                del attributes["forward"]
+            else:
+                attributes["forward"] = previous
         self.routing += 1
         try:
             yield
@@ -133,34 +137,14 @@ class OffloadState:
             self.routing -= 1
             for (module, method), previous in saved:
                 module.__dict__[method] = previous
-            if lifted is not None:
-                for attributes, part in zip(*lifted):
-                    attributes["forward"] = part
+            for attributes, part, _ in parts:
+                attributes["forward"] = part
 
     def add_part(self, module: nn.Module) -> None:
         """Route ``module`` (it holds offloaded weights) through a `_RoutedPart` of its own."""
         previous = module.__dict__.get("forward")
         part = module.__dict__["forward"] = _RoutedPart(module, self, previous)
         self.parts[module] = (module.__dict__, part, previous)
-        self.lifting = None
-
-    def _lift_parts(self) -> tuple[list, list]:
-        """Take every part's forward off its module (the module's own forward, or the one set on the instance
-        before offloading, shows through); returns what puts them back. This runs at every call, for every part
-        (hundreds in a large model), so the lists are made once and the loops are bare (in CPython 3.11 a plain
-        loop of ``del d[k]`` beats ``map(dict.__delitem__, ...)`` and ``operator.delitem``)."""
-        if self.lifting is None:
-            own = [(attributes, previous) for attributes, _, previous in self.parts.values() if previous is not None]
-            self.lifting = ([attributes for attributes, _, previous in self.parts.values() if previous is None],
-                            [attributes for attributes, _ in own], [previous for _, previous in own],
-                            [attributes for attributes, _, _ in self.parts.values()],
-                            [part for _, part, _ in self.parts.values()])
-        plain, own, previous, dicts, parts = self.lifting
-        for attributes in plain:
-            del attributes["forward"]
-        for attributes, forward in zip(own, previous):
-            attributes["forward"] = forward
-        return dicts, parts
 
     def plan_now(self, args: tuple, kwargs: dict) -> OffloadPlan:
         """``auto``: plan from this call of the whole model (nothing runs), then build the runtime and the
