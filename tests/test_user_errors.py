@@ -84,11 +84,13 @@ def test_parts_chain_with_grad_mode_on_as_the_plain_modules_do():
     """One part's output (it requires grad, as the plain block's would) is the next part's input: it runs, and
     only a backward is refused. Before, the second call refused the first one's output as an input."""
     m, x, expected, snapshot = _offloaded()
+    reset_offload_stats(m)
     h = x
     for block in m.blocks:
         h = torch.relu(block(h))
     y = m.head(h)
     assert y.requires_grad and torch.equal(y.detach(), expected)
+    assert assert_traffic_matches_plan(m).fetch_count == 4  # each part streamed its own group, as planned
     with pytest.raises(RuntimeError, match="runs inference only"):
         y.sum().backward()
     _still_whole(m, x, expected, snapshot)
