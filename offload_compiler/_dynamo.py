@@ -33,6 +33,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
 from torch._dynamo.utils import counters
 
+from .errors import OffloadRefusal
+
 RECOMPILE_LIMIT = 4096  # every offloaded model of one class is a cache entry of the same code object
 
 
@@ -264,6 +266,18 @@ def model_error(exc: BaseException) -> BaseException | None:
         seen.add(id(exc))
         if not isinstance(exc, TorchDynamoException) and isinstance(exc, (RuntimeError, ValueError, TypeError,
                                                                           IndexError)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def own_refusal(exc: BaseException) -> OffloadRefusal | None:
+    """Our refusal under dynamo's wrappers: our backend refused a graph while dynamo compiled it, and dynamo
+    reports that as ``BackendCompilerFailed`` (its message ends asking for a PyTorch bug report)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OffloadRefusal):
             return exc
         exc = exc.__cause__ or exc.__context__
     return None

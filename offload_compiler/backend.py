@@ -18,6 +18,7 @@ from torch import nn
 
 from . import ops  # noqa: F401  (registers the transfer ops)
 from ._dynamo import weight_path
+from .errors import OffloadRefusal
 from .grouping import GroupSpec, plan_groups
 from .lowering import compile_for_inductor, lower_for_eager
 from .passes.analysis import collect_uses, weight_inputs
@@ -189,7 +190,7 @@ class GraphRunner:
             raise RuntimeError("this offloaded graph's model no longer exists (garbage-collected), yet dynamo called its "
                                "cached graph, e.g. for another model of its class: offload_compile that model instead")
         if rt.closed:
-            raise RuntimeError(OFFLOAD_ENDED)
+            raise OffloadRefusal(OFFLOAD_ENDED)
         with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
             ids = self._ids(args)
             variant = self._variants.get(ids) or self._variant_for(args, ids, rt)
@@ -217,7 +218,7 @@ def _refuse_foreign_weights(passed: list, compiled_ids: tuple, rt: OffloadRuntim
     for tensor, compiled_id in zip(passed, compiled_ids):
         if compiled_id in rt.group_of and id(tensor) not in rt.group_of:
             name = next((s.name for g in rt.groups for s in g.slots if id(s.tensor) == compiled_id), "a weight")
-            raise RuntimeError(_not_held(rt, f"a weight in place of {name}"))
+            raise OffloadRefusal(_not_held(rt, f"a weight in place of {name}"))
 
 
 def _refuse_parameters_added_later(gm: fx.GraphModule, example_inputs: list, rt: OffloadRuntime) -> None:
@@ -227,7 +228,7 @@ def _refuse_parameters_added_later(gm: fx.GraphModule, example_inputs: list, rt:
     new = [weight_path(node) for node, value in zip(placeholders, example_inputs) if isinstance(value, nn.Parameter)
            and id(value) not in rt.group_of and id(value) not in rt.unmanaged_ids]
     if new:
-        raise RuntimeError(_not_held(rt, ", ".join(new[:4]) + (" ..." if len(new) > 4 else "")))
+        raise OffloadRefusal(_not_held(rt, ", ".join(new[:4]) + (" ..." if len(new) > 4 else "")))
 
 
 def _not_held(rt: OffloadRuntime, what: str) -> str:

@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, graph_breaks, \
-    graph_breaks_since, is_tracing_error, model_error, module_being_compiled, skipped_frames, static_shapes, \
-    symbolic_sizes, traced_module, user_frame
+    graph_breaks_since, is_tracing_error, model_error, module_being_compiled, own_refusal, skipped_frames, \
+    static_shapes, symbolic_sizes, traced_module, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -437,6 +437,10 @@ class _OffloadedForward:
         try:
             return compiled(*args, **kwargs)
         except Exception as exc:
+            refusal = own_refusal(exc)
+            if refusal is not None and refusal is not exc:
+                refusal.offload_trace = exc
+                raise refusal from None
             error = model_error(exc) if is_tracing_error(exc) else None
             if error is None:
                 raise

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from offload_compiler import OffloadPolicy, offload_compile, remove_offload, reset_offload_stats
+from offload_compiler import OffloadPolicy, OffloadRefusal, offload_compile, remove_offload, reset_offload_stats
 from offload_compiler.testing import assert_traffic_matches_plan
 
 CPU = dict(device="cpu")
@@ -172,10 +172,11 @@ def test_a_block_added_after_offloading_is_refused_not_read_from_host_memory():
     its new parameters as plain inputs."""
     m, x, expected, snapshot = _offloaded()
     m.blocks.append(nn.Linear(8, 8))
-    with pytest.raises(Exception, match=r"blocks\.3\.weight.*which offloading does not hold.*module added or "
-                                        r"replaced.*remove_offload\(m\)"):
+    with pytest.raises(OffloadRefusal, match=r"blocks\.3\.weight.*which offloading does not hold.*module added or "
+                                             r"replaced.*remove_offload\(m\)") as refused:
         with torch.no_grad():
             m(x)
+    _own_words_only(refused.value)
     del m.blocks[3]
     _still_whole(m, x, expected, snapshot)
 
@@ -195,11 +196,19 @@ def test_a_buffer_the_forward_increments_names_offload_buffers():
     next call failed with an unrelated "weight it does not hold" error."""
     torch.manual_seed(0)
     model = Counter().eval()
-    with pytest.raises(Exception, match=r"modifies weight .*calls.* in place.*offload_buffers=False"):
+    with pytest.raises(OffloadRefusal, match=r"modifies weight .*calls.* in place.*offload_buffers=False") as refused:
         with torch.no_grad():
             offload_compile(model, OffloadPolicy(strategy="layerwise", **CPU))(torch.randn(2, 8))
+    _own_words_only(refused.value)
     m = offload_compile(remove_offload(model), OffloadPolicy(strategy="layerwise", offload_buffers=False, **CPU))
     reset_offload_stats(m)
     with torch.no_grad():
         m(torch.randn(2, 8)), m(torch.randn(2, 8))
     assert assert_traffic_matches_plan(m).fetch_count == 2 * 4 and int(m.calls) == 2  # the refused call ran nothing
+
+
+def _own_words_only(refusal: OffloadRefusal) -> None:
+    """A refusal reaches the caller as itself: not inside dynamo's BackendCompilerFailed report, which asks for
+    a PyTorch bug report (dynamo's full report stays on the error as ``offload_trace``)."""
+    assert "BackendCompilerFailed" not in str(refusal) and "PyTorch" not in str(refusal)
+    assert isinstance(refusal.offload_trace, torch._dynamo.exc.BackendCompilerFailed)

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..errors import OffloadRefusal
 from ..subclasses import plain_leaves
 from .schedule import Use
 
@@ -31,7 +32,7 @@ class Reads:
     unordered: bool
 
 
-class WeightMutatedError(RuntimeError):
+class WeightMutatedError(OffloadRefusal):
     pass
 
 
