@@ -51,6 +51,7 @@ from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_s
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
 from .components import DIT_MODULES, ENTRY_METHODS, pipeline_streamed
+from .errors import OffloadRefusal
 from .grouping import blocks_attr_within, component_block_groups, plan_groups
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime
@@ -93,12 +94,12 @@ class OffloadState:
 
     def check_usable(self) -> None:
         if self.ended:
-            raise RuntimeError(OFFLOAD_ENDED)
+            raise OffloadRefusal(OFFLOAD_ENDED)
         if self.refused is not None:
-            raise RuntimeError(self.refused)
+            raise OffloadRefusal(self.refused)
         changed = None if self.routing else self.hooks.change()  # during a call: the model's own (`adopt_hooks`)
         if changed is not None:
-            raise RuntimeError(HOOKS_REFUSED.format(model=self.name, action=changed))
+            raise OffloadRefusal(HOOKS_REFUSED.format(model=self.name, action=changed))
 
     def adopt_hooks(self) -> None:
         """At the end of an offloaded call: hooks that the model's own forward registered or removed during it are
@@ -271,7 +272,7 @@ class OffloadedModule(nn.Module):
         return self.to("cpu")
 
     def _apply(self, fn: Any, recurse: bool = True) -> "OffloadedModule":
-        raise RuntimeError("changing the dtype or storage of an offloaded module's weights (.half(), .to(dtype), "
+        raise OffloadRefusal("changing the dtype or storage of an offloaded module's weights (.half(), .to(dtype), "
                            "...) would detach them from their host buffers; convert first: "
                            "offload_compile(remove_offload(m).to(dtype), policy)")
 
@@ -374,7 +375,7 @@ class _OffloadedForward:
             state.check_usable()
             if state.runtime is None:
                 if not self._root:
-                    raise RuntimeError(f"strategy='auto' plans from a call of the whole {state.name}: call the "
+                    raise OffloadRefusal(f"strategy='auto' plans from a call of the whole {state.name}: call the "
                                        f"model (or m.plan(...)) once before calling its parts on their own")
                 state.plan_now(args, kwargs)
             elif state.unplanned:
@@ -394,7 +395,7 @@ class _OffloadedForward:
                 if not state.routing:
                     state.adopt_hooks()
             if runtime.graph_calls == calls and (self._must_graph or any(g.streamed for g in runtime.groups)):
-                raise RuntimeError(
+                raise OffloadRefusal(
                     f"{state.name} ran without its offloaded graph: torch.compile fell back to plain eager "
                     f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a "
                     f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
@@ -422,7 +423,7 @@ class _OffloadedForward:
             f"{' ...' if len(unread) > 4 else ''} were read there from host memory instead of being fetched. "
             f"Make that code traceable (TORCH_LOGS=graph_breaks shows where{reason}; OffloadPolicy(fullgraph=True) "
             f"makes every graph break an error); then offload again: offload_compile(remove_offload(m), policy)")
-        raise RuntimeError(state.refused)
+        raise OffloadRefusal(state.refused)
 
     __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
 
@@ -629,7 +630,7 @@ class _InferenceOnlyOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        raise RuntimeError(INFERENCE_ONLY)
+        raise OffloadRefusal(INFERENCE_ONLY)
 
 
 _ANCHOR = torch.zeros((), requires_grad=True)  # gives the outputs a grad_fn; never receives a gradient
@@ -891,7 +892,7 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
                          "OffloadPolicy(strategy='auto', device_budget_gb=...)) instead of torch.compile")
     root = traced_module(gm)
     if root is None:
-        raise RuntimeError(
+        raise OffloadRefusal(
             "omni_offload could not find the nn.Module being compiled (its weights must be module parameters or "
             "buffers); use offload_compiler.offload_compile(model, policy) instead")
     state = state_of(root)
@@ -914,7 +915,7 @@ def _check_is_the_compiled_model(root: nn.Module) -> None:
     model = module_being_compiled()
     if model is not None and root is not model:
         where = next((name for name, sub in model.named_modules() if sub is root), None)
-        raise RuntimeError(
+        raise OffloadRefusal(
             f"torch.compile(model, backend='omni_offload') was given the graph of {type(root).__name__}"
             f"{f' (model.{where})' if where else ''}, not of the {type(model).__name__} it compiles: dynamo skipped "
             f"the model's own frame (a graph break it cannot resume from, or its recompile limit met on that code; "
