@@ -10,6 +10,13 @@ one process, interleaved round by round and from several stack depths (`common.i
   vllm-functional_call           each layer copies its state dict per forward and runs torch.func.functional_call
                                  (not run by default: with a KV cache its decode tokens differ from the model's)
 
+``--decompose`` adds two diagnostic variants of ours-inductor, which split what a token costs beyond plain (their
+tokens are not the model's: their slots keep stale weights):
+
+  ours-inductor-without-copies     the runtime does all its work except the memcpy of each fill
+  ours-inductor-without-transfers  every transfer returns its slot's weights as they are: the entry path and the
+                                   compiled graph only
+
 Per method: ms per token, its ratio to its plain counterpart on wall time and on this process's CPU time
 (ours-inductor against plain-inductor, everything else against plain-eager), minor page faults per token, and
 for ours the bytes and fetches of one token from the ledger (offloading happened, every layer streamed per
@@ -39,10 +46,12 @@ from common import (RESULTS, against_baseline, environment, exact_command, inter
                     STACK_DEPTHS, moved_per_call, write_json)
 from host_overhead import functional_call_offload  # noqa: E402
 
+DIAGNOSTIC = ("ours-inductor-without-copies", "ours-inductor-without-transfers")  # see the module doc
 METHODS = ("plain-eager", "plain-inductor", "ours-eager", "ours-inductor", "diffusers-group-block",
            "vllm-functional_call")
 DEFAULT_METHODS = METHODS[:-1]
-BASELINE = {"ours-inductor": "plain-inductor"}  # every other method is measured against plain-eager
+# every other method is measured against plain-eager
+BASELINE = {"ours-inductor": "plain-inductor", **{name: "plain-inductor" for name in DIAGNOSTIC}}
 
 
 def setup(name: str, model) -> tuple[object, dict]:
@@ -64,6 +73,18 @@ def setup(name: str, model) -> tuple[object, dict]:
         functional_call_offload(model.model.layers)
         return model, {"call": "per decoder layer: state_dict().to(cpu) + torch.func.functional_call"}
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
+
+
+def strip(offloaded, variant: str) -> None:
+    """After warm-up (slots filled, every graph compiled): the diagnostic ``variant`` of an ours-inductor model."""
+    runtime = offloaded._offload_runtime
+    if variant == "ours-inductor-without-copies":
+        runtime._copy_into = lambda slot, group: None
+        return
+    leaves = {index: (runtime._slot_of[plan.key] if plan.key is not None else runtime._resident[plan.group][0]
+                      ).leaves(runtime.groups[plan.group]) for index, plan in enumerate(runtime._transfer_plans)}
+    runtime.run_transfer = leaves.__getitem__
+    runtime.evict = lambda *args: None
 
 
 def prefill(model, prompt: torch.Tensor):
@@ -133,9 +154,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=8, help="tokens decoded per method per round and stack depth")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the medians are over these")
     parser.add_argument("--depths", type=int, default=STACK_DEPTHS, help="Python stack depths (common.interleave)")
-    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS + DIAGNOSTIC)
+    parser.add_argument("--decompose", action="store_true", help="add the diagnostic variants (module doc)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args(argv)
+    if args.decompose:
+        args.methods += [name for name in DIAGNOSTIC if name not in args.methods]
     from offload_compiler.testing.models import llama
     torch.set_num_threads(1)
     reference, inputs = llama(layers=args.layers, hidden=args.hidden, vocab=256, seq=args.prompt)
@@ -144,11 +168,14 @@ def main(argv: list[str] | None = None) -> dict:
     runs, info, errors = {}, {}, {}
     for name in args.methods:
         try:
-            runs[name], info[name] = setup(name, copy.deepcopy(reference))
+            runs[name], info[name] = setup("ours-inductor" if name in DIAGNOSTIC else name, copy.deepcopy(reference))
             produced = decode(runs[name], cache, first, args.tokens)  # warm-up: every cache length compiled
             produced = decode(runs[name], cache, first, args.tokens)
             info[name]["same_tokens"] = produced == expected
-            if name.startswith("ours-"):
+            if name in DIAGNOSTIC:
+                strip(runs[name], name)
+                info[name] = {"diagnostic": True}
+            elif name.startswith("ours-"):
                 info[name].update(moved_per_call(runs[name], Decoder(runs[name], cache, first)))
         except Exception as exc:  # a method that cannot run here is reported, not fatal
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -156,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     streamed = max((info[n].get("bytes_per_call", 0) for n in runs), default=0)
     source, target = torch.empty(streamed, dtype=torch.uint8), torch.empty(streamed, dtype=torch.uint8)
     steps = {name: (lambda fn=fn: Decoder(fn, cache, first)) for name, fn in runs.items()}
-    ours = next((runs[n] for n in runs if n.startswith("ours-")), None)
+    ours = next((runs[n] for n in runs if n.startswith("ours-") and n not in DIAGNOSTIC), None)
     if ours is not None:
         steps[COPIES] = lambda: token_copies(ours._offload_runtime)
     with torch.no_grad():
@@ -168,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         r["baseline"] = BASELINE.get(name, "plain-eager")
         r["over_plain"] = r["wall_s"] / base["wall_s"]
         r["over_plain_cpu"] = r["cpu_s"] / base["cpu_s"]
-        if name.startswith("ours-"):
+        if name.startswith("ours-") and name not in DIAGNOSTIC:
             r["copy_floor_s"] = base["wall_s"] + copies_s
             r["over_floor"] = r["wall_s"] / r["copy_floor_s"]
             r["host_work_beyond_copies_s"] = r["wall_s"] - r["copy_floor_s"]
@@ -179,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "over_copy_floor": results.get(name, {}).get("over_floor"), "target": 1.10,
                       "meets_target": (results.get(name, {}).get("over_plain") or 99) <= 1.10}
                for name in ("ours-eager", "ours-inductor")}
+    summary.update({f"{name}_over_plain": results[name]["over_plain"] for name in DIAGNOSTIC if name in runs})
     summary["copies_of_a_token_s"] = copies_s
     summary["memcpy_of_streamed_bytes_hot_s"] = copy_s
     data = {"command": exact_command(), "environment": environment(),
@@ -186,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
             "methods": results, "summary": summary}
     write_json(args.out, data)
     for name, r in results.items():
-        print(f"{name:24s} " + (r["error"] if "error" in r else
+        print(f"{name:32s} " + (r["error"] if "error" in r else
                                 f"{r['wall_s'] * 1e3:8.3f} ms/token  "
                                 f"{r.get('over_plain', float('nan')):5.2f}x plain  "
                                 f"({r.get('over_plain_cpu', float('nan')):5.2f}x on CPU time)  "

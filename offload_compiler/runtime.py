@@ -513,17 +513,22 @@ class OffloadRuntime:
             self._maybe_fail("fetch", group.index)
         if slot.group is not None:
             self._vacate(slot)
+        self._copy_into(slot, group)
+        slot.group = group.index
+        self.ledger.occupy(slot.nbytes)
+        self.bytes_transferred += group.nbytes
+        self.fetch_count += 1
+        return slot
+
+    def _copy_into(self, slot: DeviceSlot, group: Group) -> None:
+        """The copy itself: on the copy stream on an accelerator, else here (`benchmarks/decode.py --decompose`
+        times calls without it)."""
         buffers = slot.buffers
         if slot.ready is not None:
             self._copy_on_stream(slot, group)
         else:
             for buf, bucket in zip(buffers, group.buckets):
                 buf.copy_(bucket.source())
-        slot.group = group.index
-        self.ledger.occupy(slot.nbytes)
-        self.bytes_transferred += group.nbytes
-        self.fetch_count += 1
-        return slot
 
     def _copy_on_stream(self, slot: DeviceSlot, group: Group) -> None:
         """The copy stream refills a slot only after the compute that read its previous contents (the

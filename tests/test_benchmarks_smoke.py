@@ -132,6 +132,42 @@ def test_decode_small(tmp_path):
     assert ours["fetches_per_call"] >= 2 and ours["bytes_per_call"] > 0
 
 
+def _bench_module(script: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("variant", ["ours-inductor-without-copies", "ours-inductor-without-transfers"])
+def test_decodes_diagnostic_variants_leave_out_what_they_say(variant):
+    """``decode.py --decompose``: without copies, every fetch is still made and counted but no slot is written;
+    without transfers, the graph runs over the slots as they are and nothing is fetched."""
+    import torch
+    from offload_compiler import OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
+    decode = _bench_module("decode.py")
+    torch.manual_seed(0)
+    model = _bench_module("host_overhead.py").Stack(blocks=3, hidden=8).eval()  # three blocks of two linears
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor"))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = m(x)
+    decode.strip(m, variant)
+    pool = m._offload_runtime.pool
+    buffers = [buf for slots in pool.slots.values() for slot in slots for buf in slot.buffers]
+    for buf in buffers:
+        buf.fill_(7.0)
+    reset_offload_stats(m)
+    with torch.no_grad():
+        out = m(x)
+    assert all(bool((buf == 7.0).all()) for buf in buffers)  # no slot was written
+    assert not torch.equal(out, expected)  # the graph read the slots as they were
+    fetches = offload_stats(m).fetch_count
+    assert fetches == (3 if variant.endswith("copies") else 0)
+
+
 def test_profile_overlap_summary_measures_copies_hidden_behind_kernels():
     spec = importlib.util.spec_from_file_location("bench_profile_forward", BENCH / "profile_forward.py")
     module = importlib.util.module_from_spec(spec)
