@@ -15,6 +15,8 @@
 - `graph_breaks`, `graph_breaks_since`: the reasons of the graph breaks of one call, for an error that follows
   from one.
 - `module_being_compiled`: the model inside the ``torch.compile`` wrapper whose call dynamo is compiling.
+- `leave_fullgraph_region`, `restore_fullgraph_region`: an offloaded call made from the user's
+  ``torch.compile(m, fullgraph=True)`` runs its own compiled frames as a call from plain Python would.
 """
 
 from __future__ import annotations
@@ -327,6 +329,29 @@ def weight_path(placeholder: torch.fx.Node) -> str:
     grapharg = placeholder.meta.get("grapharg")
     source = grapharg.source.name if grapharg is not None else ""
     return ".".join(re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source)) or placeholder.name
+
+
+_set_fullgraph_count = getattr(torch._C._dynamo.eval_frame, "set_fullgraph_compiled_frame_count", None)
+
+
+def leave_fullgraph_region() -> int:
+    """Leave the user's ``fullgraph=True`` region for an offloaded call; returns what `restore_fullgraph_region`
+    takes. While a ``torch.compile(..., fullgraph=True)`` call runs (torch 2.13: a frame counter that C keeps,
+    >= 0 while active), every frame called from a compiled frame's code runs with no dynamo callback, so without
+    a graph and without being counted as skipped (``error_on_dynamo_callback_in_fullgraph_compiled_code`` is off
+    by default). An offloaded call's own frames are called from its compiled code: the resume function after a
+    graph break, a submodule's forward that a graph break pushed out of the graph. Under the user's
+    ``torch.compile(m, fullgraph=True)`` those ran eagerly, reading their weights from host memory, with no
+    error. Inactive during the offloaded call, the counter leaves our compiled frames as dynamo runs them from
+    plain Python; the user's count is put back after it, plus one for our frames (torch raises "fullgraph=True
+    found no compiled frames" at the end of the user's call when it counted none: our compiled frames are its
+    only ones, the model's own frame being a boundary)."""
+    return _set_fullgraph_count(-1) if _set_fullgraph_count is not None else -1
+
+
+def restore_fullgraph_region(count: int) -> None:
+    if count >= 0:
+        _set_fullgraph_count(count + 1)
 
 
 def module_being_compiled() -> nn.Module | None:

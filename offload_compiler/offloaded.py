@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, graph_breaks, \
-    graph_breaks_since, is_tracing_error, model_error, module_being_compiled, own_refusal, skipped_frames, \
-    static_shapes, symbolic_sizes, traced_module, user_frame
+    graph_breaks_since, is_tracing_error, leave_fullgraph_region, model_error, module_being_compiled, own_refusal, \
+    restore_fullgraph_region, skipped_frames, static_shapes, symbolic_sizes, traced_module, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -273,8 +273,8 @@ class OffloadedModule(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "OffloadedModule":
         raise OffloadRefusal("changing the dtype or storage of an offloaded module's weights (.half(), .to(dtype), "
-                           "...) would detach them from their host buffers; convert first: "
-                           "offload_compile(remove_offload(m).to(dtype), policy)")
+                             "...) would detach them from their host buffers; convert first: "
+                             "offload_compile(remove_offload(m).to(dtype), policy)")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:
@@ -370,13 +370,20 @@ class _OffloadedForward:
         self._compiled = None
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
+        outer = leave_fullgraph_region()  # called from the user's torch.compile(m, fullgraph=True): see there
+        try:
+            return self._offloaded_call(*args, **kwargs)
+        finally:
+            restore_fullgraph_region(outer)
+
+    def _offloaded_call(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state
         with state.lock:
             state.check_usable()
             if state.runtime is None:
                 if not self._root:
                     raise OffloadRefusal(f"strategy='auto' plans from a call of the whole {state.name}: call the "
-                                       f"model (or m.plan(...)) once before calling its parts on their own")
+                                         f"model (or m.plan(...)) once before calling its parts on their own")
                 state.plan_now(args, kwargs)
             elif state.unplanned:
                 path = _path_of(state, self._module)

@@ -112,6 +112,58 @@ def test_fullgraph_around_an_offloaded_model_names_the_boundary():
         assert torch.equal(m(**inputs).logits, plain(**inputs).logits)
 
 
+class _Prefix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        if h.sum().item() > -1e9:  # Tensor.item(): a graph break, as PaliGemma's input check has
+            h = h + 1
+        return h
+
+
+class _BrokenForward(nn.Module):
+    """A graph break in the root's forward (``in_root``) or in a submodule it calls first (PaliGemma's model, whose
+    vision tower and embeddings ran eagerly under the user's fullgraph=True: a silent read of host weights)."""
+
+    def __init__(self, in_root: bool):
+        super().__init__()
+        self.in_root = in_root
+        self.prefix = _Prefix()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        h = self.prefix(x)
+        if self.in_root and h.sum().item() > -1e9:
+            h = h * 2
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+@pytest.mark.parametrize("in_root", [True, False], ids=["break_in_root", "break_in_submodule"])
+def test_the_users_fullgraph_compile_around_a_model_with_a_graph_break_streams_the_plan(in_root):
+    """torch.compile(m, fullgraph=True) runs m's offloaded graphs as a direct call does. Under the user's fullgraph
+    region torch runs every frame called from compiled code without dynamo: before the fix, the frames after our
+    graph break ran eagerly -- the root's resume (refused: "ran without its offloaded graph") or the submodule
+    holding the break (its weights read from host memory, silently; 2 of the 3 groups fetched)."""
+    torch.manual_seed(0)
+    model, x = _BrokenForward(in_root).eval(), torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
+    runtime = m._offload_runtime
+    for route in (lambda: m(x), lambda: torch.compile(m, fullgraph=True)(x), lambda: m(x)):
+        reset_offload_stats(m)
+        runtime.used_groups.clear()
+        with torch.no_grad():
+            assert torch.equal(route(), expected)
+        assert_traffic_matches_plan(m)
+        assert sorted(runtime.used_groups) == [g.index for g in runtime.groups]  # every group read by a graph
+
+
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_the_backend_offloads_in_place_so_generate_streams_too(compiler):
     model, inputs, plain = _llama()
