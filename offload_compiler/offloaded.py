@@ -398,6 +398,14 @@ class _OffloadedForward:
             try:
                 with torch.no_grad(), config_for_call(compiled, state.limits), state.tracing_through(), measure:
                     out = self._run(compiled, args, kwargs)
+            except BaseException:
+                if skipped_frames() != skipped:
+                    # dynamo gave up on a frame of this failed call (the model's own ``raise`` on a bad input,
+                    # traced: "Failed to handle graph break gracefully") and runs that code object without a
+                    # graph from then on: our forwards' frames included, so every later call read host
+                    # memory and was refused. Fresh code objects for them (`_own_frame`) at the next call.
+                    state.recompile()
+                raise
             finally:
                 if not state.routing:
                     state.adopt_hooks()

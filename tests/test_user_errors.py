@@ -113,6 +113,52 @@ def test_a_wrong_input_shape_is_one_short_error_with_the_shapes_given(capfd):
     _still_whole(m, x, expected, snapshot)
 
 
+class _CheckedPrefix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[1] > 4:  # the model's own check, as SiglipTextEmbeddings' on max_position_embeddings
+            raise ValueError(f"at most 4 positions, got {x.shape[1]}")
+        return self.embed(x)
+
+
+class _CheckedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.prefix = _CheckedPrefix()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        x = self.prefix(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_an_input_the_models_own_check_refuses_leaves_the_model_running():
+    """The model raises on a bad input from Python code (``raise ValueError``): dynamo, tracing it, gives up on the
+    frame and marks its code to run without a graph. Before the fix that code was our forward's, so every later
+    call ran eagerly, read the weights from host memory and was refused for good ("part of ... ran outside its
+    offloaded graphs")."""
+    torch.manual_seed(0)
+    model, x = _CheckedStack().eval(), torch.randn(2, 4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    snapshot = copy.deepcopy(model.state_dict())
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", **CPU))
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+        with pytest.raises(ValueError, match="at most 4 positions, got 6"):
+            m(torch.randn(2, 6, 8))
+        for _ in range(2):
+            reset_offload_stats(m)
+            assert torch.equal(m(x), expected)
+            assert_traffic_matches_plan(m)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), snapshot.values()))
+
+
 def test_a_part_called_from_python_streams_through_its_own_graph():
     """A public method running a block, a block called by hand, a compiled function calling the head: each
     part runs its own offloaded graph (the plan's fetches), never its host weights."""
