@@ -331,27 +331,39 @@ def weight_path(placeholder: torch.fx.Node) -> str:
     return ".".join(re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source)) or placeholder.name
 
 
-_set_fullgraph_count = getattr(torch._C._dynamo.eval_frame, "set_fullgraph_compiled_frame_count", None)
+_EVAL_FRAME = torch._C._dynamo.eval_frame
+_set_fullgraph_count = getattr(_EVAL_FRAME, "set_fullgraph_compiled_frame_count", None)  # torch 2.13
+_set_frame_override = getattr(_EVAL_FRAME, "set_eval_frame_override", None)  # torch 2.11
 
 
-def leave_fullgraph_region() -> int:
+def leave_fullgraph_region() -> tuple | None:
     """Leave the user's ``fullgraph=True`` region for an offloaded call; returns what `restore_fullgraph_region`
-    takes. While a ``torch.compile(..., fullgraph=True)`` call runs (torch 2.13: a frame counter that C keeps,
-    >= 0 while active), every frame called from a compiled frame's code runs with no dynamo callback, so without
-    a graph and without being counted as skipped (``error_on_dynamo_callback_in_fullgraph_compiled_code`` is off
-    by default). An offloaded call's own frames are called from its compiled code: the resume function after a
-    graph break, a submodule's forward that a graph break pushed out of the graph. Under the user's
-    ``torch.compile(m, fullgraph=True)`` those ran eagerly, reading their weights from host memory, with no
-    error. Inactive during the offloaded call, the counter leaves our compiled frames as dynamo runs them from
-    plain Python; the user's count is put back after it, plus one for our frames (torch raises "fullgraph=True
-    found no compiled frames" at the end of the user's call when it counted none: our compiled frames are its
-    only ones, the model's own frame being a boundary)."""
-    return _set_fullgraph_count(-1) if _set_fullgraph_count is not None else -1
+    takes. While a ``torch.compile(..., fullgraph=True)`` call runs, every frame called from a compiled frame's
+    code runs with no dynamo callback, so without a graph and without being counted as skipped
+    (``error_on_dynamo_callback_in_fullgraph_compiled_code`` is off by default): torch 2.13 keeps a frame counter
+    in C (>= 0 while active), torch 2.11 an eval-frame override (SKIP). An offloaded call's own frames are called
+    from its compiled code: the resume function after a graph break, a submodule's forward that a graph break
+    pushed out of the graph. Under the user's ``torch.compile(m, fullgraph=True)`` those ran eagerly, reading
+    their weights from host memory, with no error. With the region left during the offloaded call, dynamo runs
+    our compiled frames as from plain Python. The user's state is put back after it; a 2.13 count plus one for
+    our frames (torch raises "fullgraph=True found no compiled frames" at the end of the user's call when it
+    counted none: our compiled frames are its only ones, the model's own frame being a boundary)."""
+    if _set_fullgraph_count is not None:
+        return _set_fullgraph_count, _set_fullgraph_count(-1)
+    if _set_frame_override is not None:
+        return _set_frame_override, _set_frame_override(_EVAL_FRAME._EvalFrameOverride.NONE)
+    return None
 
 
-def restore_fullgraph_region(count: int) -> None:
-    if count >= 0:
-        _set_fullgraph_count(count + 1)
+def restore_fullgraph_region(prior: tuple | None) -> None:
+    if prior is None:
+        return
+    setter, value = prior
+    if setter is _set_fullgraph_count:
+        if value >= 0:
+            setter(value + 1)
+    else:
+        setter(value)
 
 
 def module_being_compiled() -> nn.Module | None:
