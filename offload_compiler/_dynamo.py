@@ -33,10 +33,12 @@ from torch import nn
 from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
+from torch._dynamo.types import FrameAction
 from torch._dynamo.utils import counters
 
 from .errors import OffloadRefusal
 
+_EVAL_FRAME = torch._C._dynamo.eval_frame
 RECOMPILE_LIMIT = 4096  # every offloaded model of one class is a cache entry of the same code object
 
 
@@ -170,18 +172,42 @@ class _ConfigDuringCompile:
         self._patch = patch
         self._torchdynamo_orig_backend = converter._torchdynamo_orig_backend  # a plain attribute: C reads it
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, frame: Any, *args: Any, **kwargs: Any) -> Any:
         global _compiling_under_config
         if "skip" in kwargs:  # stack frames that dynamo's logs elide: this one too
             kwargs["skip"] += 1
         if _compiling_under_config:
-            return self._converter(*args, **kwargs)
+            return _note_skipped(frame, self._converter(frame, *args, **kwargs))
         _compiling_under_config = True
         try:
             with self._patch:
-                return self._converter(*args, **kwargs)
+                return _note_skipped(frame, self._converter(frame, *args, **kwargs))
         finally:
             _compiling_under_config = False
+
+
+# code objects dynamo marked, while compiling the frames of offloaded calls, to run without a graph from then on
+# in the whole process (a graph break inside a loop): see `forget_skipped_code`
+_skipped_code: set = set()
+
+
+def _note_skipped(frame: Any, result: Any) -> Any:
+    strategy = getattr(result, "frame_exec_strategy", None)
+    if (strategy is not None and strategy.cur_action == FrameAction.SKIP and getattr(result, "apply_to_code", False)
+            and getattr(result, "guarded_code", None) is None):
+        _skipped_code.add(frame.f_code)
+    return result
+
+
+def forget_skipped_code() -> None:
+    """Undo dynamo's process-wide marks on the code it ran without a graph during offloaded calls. Once marked, a
+    frame runs eagerly without passing dynamo's callback, so no counter shows it: the next model of the class
+    offloaded in this process ran that frame (DBRX's ``DbrxModel.forward``, with a graph break in its layer
+    loop) from host memory, unnoticed, where the first one was refused. Called when a call is refused for
+    reading host memory: the next offloaded call meets the same frame, and the same refusal."""
+    for code in _skipped_code:
+        _EVAL_FRAME.reset_code(code)
+    _skipped_code.clear()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("_converter", "_patch"):
@@ -331,7 +357,6 @@ def weight_path(placeholder: torch.fx.Node) -> str:
     return ".".join(re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source)) or placeholder.name
 
 
-_EVAL_FRAME = torch._C._dynamo.eval_frame
 _set_fullgraph_count = getattr(_EVAL_FRAME, "set_fullgraph_compiled_frame_count", None)  # torch 2.13
 _set_frame_override = getattr(_EVAL_FRAME, "set_eval_frame_override", None)  # torch 2.11
 

@@ -44,9 +44,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, graph_breaks, \
-    graph_breaks_since, is_tracing_error, leave_fullgraph_region, model_error, module_being_compiled, own_refusal, \
-    restore_fullgraph_region, skipped_frames, static_shapes, symbolic_sizes, traced_module, user_frame
+from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, \
+    forget_skipped_code, graph_breaks, graph_breaks_since, is_tracing_error, leave_fullgraph_region, model_error, \
+    module_being_compiled, own_refusal, restore_fullgraph_region, skipped_frames, static_shapes, symbolic_sizes, \
+    traced_module, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -438,6 +439,7 @@ class _OffloadedForward:
             f"{' ...' if len(unread) > 4 else ''} were read there from host memory instead of being fetched. "
             f"Make that code traceable (TORCH_LOGS=graph_breaks shows where{reason}; OffloadPolicy(fullgraph=True) "
             f"makes every graph break an error); then offload again: offload_compile(remove_offload(m), policy)")
+        forget_skipped_code()
         raise OffloadRefusal(state.refused)
 
     __call__ = torch.compiler.disable(_call, reason=BOUNDARY)

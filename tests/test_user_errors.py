@@ -258,3 +258,54 @@ def _own_words_only(refusal: OffloadRefusal) -> None:
     a PyTorch bug report (dynamo's full report stays on the error as ``offload_trace``)."""
     assert "BackendCompilerFailed" not in str(refusal) and "PyTorch" not in str(refusal)
     assert isinstance(refusal.offload_trace, torch._dynamo.exc.BackendCompilerFailed)
+
+
+class _LoopWithBreak(nn.Module):
+    """A graph break inside the layer loop of an inner model (DBRX's ``DbrxModel.forward``: a data-dependent
+    shape in its MoE): dynamo runs that frame without a graph and marks its code so for the whole process."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.norm = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+            torch._dynamo.graph_break()
+        return self.norm(h)
+
+
+class _WithInnerLoop(nn.Module):
+    _layerwise_offload_blocks_attr = "inner.blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _LoopWithBreak()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+def test_a_frame_dynamo_skipped_for_an_earlier_model_is_refused_again_not_read_from_host_memory():
+    """Before the fix the first model offloaded in a process was refused, and every later one of its class ran
+    the marked frame eagerly, with no dynamo counter moving: the inner model's weights (all but the head) were
+    read from host memory with no error."""
+    torch.manual_seed(0)
+    model = _WithInnerLoop().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    for _ in range(2):
+        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", **CPU))
+        with pytest.raises(OffloadRefusal, match=r"ran outside its offloaded graphs.*inner\.embed.*from host memory"):
+            with torch.no_grad():
+                m(x)
+        plain = remove_offload(m)
+        with torch.no_grad():
+            assert torch.equal(plain(x), expected)
+        assert all(torch.equal(v, snapshot[k]) for k, v in plain.state_dict().items())
