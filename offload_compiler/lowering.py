@@ -18,8 +18,9 @@ is the verified schedule, position for position; only the calling convention cha
 Under inductor (`compile_for_inductor`), `passes.fuse` folds each wait with the steps before it into one
 ``transfer`` op returning the weights' leaves; inductor is told never to reuse those leaves' memory and which
 of them are not 16-byte aligned (`register_transfer_lowering`), so it needs no runtime size or alignment
-check per leaf and no graph output per slot. A materialized weight reader (`ops.materialize`) becomes a buffer
-inductor computes itself, the reader fused into its kernel (`register_materialize_lowering`), not an extern call.
+check per leaf and no graph output per slot. A materialized weight reader (`ops.materialize`) stays an extern call:
+a lowering to a buffer inductor computes itself (the reader fused into its kernel) gave wrong outputs on a
+Zamba2 decode (`tests/test_hot_path.py`), so it was taken out.
 """
 
 from __future__ import annotations
@@ -146,7 +147,6 @@ def compile_for_inductor(gm: fx.GraphModule, example_inputs: list, runtime: Offl
     """``gm`` (a rewritten, verified graph) fused (`passes.fuse`) and compiled with inductor."""
     from torch._inductor.compile_fx import compile_fx
     register_transfer_lowering()
-    register_materialize_lowering()
     fused = fuse_transfers(gm, runtime.plan_transfer, runtime.layout, num_outputs)
     return compile_fx(fused, example_inputs, config_patches=_INDUCTOR_CONFIG)
 
@@ -179,41 +179,6 @@ def register_transfer_lowering() -> None:
         return leaves
 
     _registered = True
-
-
-_materialize_registered = False
-
-
-def register_materialize_lowering() -> None:
-    """Lower ``materialize`` as a copy inductor computes itself, not an extern call (one trip through the
-    dispatcher per materialized reader per call, about 4.5 µs on this CPU, where the copy is a fraction of that).
-
-    The copy is a buffer of its own, realized in the lowering: the reader's pointwise computation fuses into the
-    kernel that writes it, and every later consumer loads the buffer, never the weight, so no later kernel
-    re-computes the reader from an evicted slot. The evicting ``transfer`` takes the copy in its deps (the insert
-    pass orders the evict after it): the extern call reads it, so inductor keeps the buffer and schedules its
-    kernel before the transfer. The copy has the strides the op's fake (``torch.empty_like``) gives, as the
-    extern op's result had. A value inductor does not compute itself (complex, sparse: its unsupported types)
-    keeps the extern op."""
-    global _materialize_registered
-    if _materialize_registered:
-        return
-    from torch._inductor import ir
-    from torch._inductor.lowering import fallback_handler, fallback_node_due_to_unsupported_type, register_lowering
-    from torch._inductor.virtualized import V
-    fallback = fallback_handler(OPS.materialize.default, add_to_fallback_set=False)
-
-    @register_lowering(OPS.materialize.default, type_promotion_kind=None)
-    def materialize(value):
-        node = V.graph.current_node
-        if fallback_node_due_to_unsupported_type(node):
-            return fallback(value)
-        copy = ir.Pointwise.create(device=value.get_device(), dtype=value.get_dtype(), inner_fn=value.make_loader(),
-                                   ranges=list(value.get_size()))
-        copy.realize()
-        return ir.ExternKernel.require_exact_strides(copy, node.meta["val"].stride())
-
-    _materialize_registered = True
 
 
 DIRECT_TRANSFER = "offload_transfer"  # the name inductor's generated Python code calls `ops.transfer_direct` by

@@ -99,10 +99,8 @@ _define("transfer(int runtime, int plan, Tensor[] deps) -> Tensor[]", transfer, 
 def materialize(value: torch.Tensor) -> torch.Tensor:
     """A copy of a weight reader's value, placed right after the reader; later nodes use the copy, and the
     weight's evict follows it. Inductor lowers in graph order and may otherwise re-compute a pointwise reader
-    from the weight inside a later kernel (a residual add), which can run after the weight's evict. Inductor
-    lowers this op to a buffer of its own that it computes itself (`lowering.register_materialize_lowering`):
-    the reader fuses into the kernel writing it, no later kernel reads the weight in its place, and no extern
-    call is paid per reader; this implementation runs eagerly and where inductor keeps the op."""
+    from the weight inside a later kernel (a residual add), which can run after the weight's evict. Under
+    inductor it is an extern call (see `lowering`'s module doc for why not a lowering)."""
     return value.clone()
 
 
