@@ -26,7 +26,7 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # Layers, lowest first: a module may import modules of its own layer or of lower layers, never higher ones.
 # A module belongs to the first layer with a prefix equal to its name or to a package above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("policy", ("offload_compiler.policy",)),
+    ("policy", ("offload_compiler.policy", "offload_compiler.errors")),
     ("support", ("offload_compiler._tree", "offload_compiler._registry", "offload_compiler._dynamo", "offload_compiler.distributed",
                  "offload_compiler.subclasses", "offload_compiler.components", "offload_compiler.config")),
     ("grouping", ("offload_compiler.grouping",)),
@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("top", ("offload_compiler.cli", "offload_compiler.__main__", "offload_compiler.testing")),
 ]
 # modules that import nothing of the package
-LEAVES = {"offload_compiler.policy"}
+LEAVES = {"offload_compiler.policy", "offload_compiler.errors"}
 # the only modules allowed to import offload_compiler.testing (demo models, hypothesis helpers)
 TESTING_USERS = ("offload_compiler.testing", "offload_compiler.cli")
 
