@@ -185,6 +185,14 @@ class _ConfigDuringCompile:
         finally:
             _compiling_under_config = False
 
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_converter", "_patch"):
+            raise AttributeError(name)
+        value = getattr(self._converter, name)
+        if name == "_clone_with_backend":  # DDPOptimizer's converter for its own backend: under the config too
+            return lambda backend: _ConfigDuringCompile(value(backend), capture_config())
+        return value
+
 
 # code objects dynamo marked, while compiling the frames of offloaded calls, to run without a graph from then on
 # in the whole process (a graph break inside a loop): see `forget_skipped_code`
@@ -208,14 +216,6 @@ def forget_skipped_code() -> None:
     for code in _skipped_code:
         _EVAL_FRAME.reset_code(code)
     _skipped_code.clear()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_converter", "_patch"):
-            raise AttributeError(name)
-        value = getattr(self._converter, name)
-        if name == "_clone_with_backend":  # DDPOptimizer's converter for its own backend: under the config too
-            return lambda backend: _ConfigDuringCompile(value(backend), capture_config())
-        return value
 
 
 def _logging_methods() -> set:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
-from offload_compiler._dynamo import capture_config, compile_under_config, config_for_call, graph_breaks, \
-    skipped_frames
+from offload_compiler._dynamo import _ConfigDuringCompile, capture_config, compile_under_config, config_for_call, \
+    graph_breaks, skipped_frames
 from offload_compiler.testing import assert_traffic_matches_plan
 from test_trial_routes import Block
 
@@ -184,3 +184,17 @@ def test_torch_2_11s_failing_config_record_is_the_only_metrics_error_dropped():
     finally:
         metrics_log.removeHandler(kept)
     assert [r.exc_info[2].tb_next.tb_frame.f_code.co_name for r in kept.records] == ["other_metrics_code"]
+
+
+def test_the_wrapped_converter_answers_for_dynamos_converter():
+    """Dynamo reads attributes of the converter it installed (``_clone_with_backend`` for DDPOptimizer's backend,
+    ``_inner_convert``, ``_hooks``): the wrapper answers with the converter's, and a clone is wrapped too."""
+    compiled = compile_under_config(lambda x: x + 1, backend="eager")
+    cells = dict(zip(compiled.__code__.co_freevars, compiled.__closure__))
+    wrapped = cells["callback"].cell_contents._torchdynamo_orig_backend
+    assert isinstance(wrapped, _ConfigDuringCompile)
+    converter = wrapped._converter
+    for name in ("_inner_convert", "_hooks"):
+        assert getattr(wrapped, name) is getattr(converter, name)
+    assert isinstance(wrapped._clone_with_backend(lambda gm, inputs: gm), _ConfigDuringCompile)
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
