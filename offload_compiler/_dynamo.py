@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -262,10 +262,9 @@ def static_shapes():
 def user_frame(exc: BaseException) -> str | None:
     """``file.py:10 in forward: x = self.proj(x)``: the innermost line of the model's code that dynamo's report
     (``from user code:``) names, outside torch and offload_compiler."""
-    seen, found = set(), None
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = str(exc)
+    found = None
+    for error in _chain(exc):
+        text = str(error)
         if "from user code:" in text:
             lines = text.split("from user code:", 1)[1].splitlines()
             for i, line in enumerate(lines):
@@ -275,8 +274,16 @@ def user_frame(exc: BaseException) -> str | None:
                     found = f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}: {code}"
             if found:
                 return found
-        exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, innermost last (a cycle ends it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
@@ -289,26 +296,14 @@ def is_tracing_error(exc: BaseException) -> bool:
 
 def model_error(exc: BaseException) -> BaseException | None:
     """The error the model's code raised while dynamo traced it (with fake tensors), under dynamo's wrappers."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if not isinstance(exc, TorchDynamoException) and isinstance(exc, (RuntimeError, ValueError, TypeError,
-                                                                          IndexError)):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((error for error in _chain(exc) if not isinstance(error, TorchDynamoException)
+                 and isinstance(error, (RuntimeError, ValueError, TypeError, IndexError))), None)
 
 
 def own_refusal(exc: BaseException) -> OffloadRefusal | None:
     """Our refusal under dynamo's wrappers: our backend refused a graph while dynamo compiled it, and dynamo
     reports that as ``BackendCompilerFailed`` (its message ends asking for a PyTorch bug report)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OffloadRefusal):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((error for error in _chain(exc) if isinstance(error, OffloadRefusal)), None)
 
 
 def cannot_capture_in_one_graph(exc: BaseException) -> bool:

@@ -38,9 +38,9 @@ class Stack(nn.Module):
         return self.blocks[0].in_features  # reads no weight
 
 
-def _offloaded():
+def _offloaded(model_class=None):
     torch.manual_seed(0)
-    model = Stack().eval()
+    model = (model_class or Stack)().eval()
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -294,14 +294,8 @@ def test_a_frame_dynamo_skipped_for_an_earlier_model_is_refused_again_not_read_f
     """Before the fix the first model offloaded in a process was refused, and every later one of its class ran
     the marked frame eagerly, with no dynamo counter moving: the inner model's weights (all but the head) were
     read from host memory with no error."""
-    torch.manual_seed(0)
-    model = _WithInnerLoop().eval()
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
-    x = torch.randn(2, 8)
-    with torch.no_grad():
-        expected = model(x)
-    for _ in range(2):
-        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", **CPU))
+    for _ in range(2):  # the same weights each time
+        m, x, expected, snapshot = _offloaded(_WithInnerLoop)
         with pytest.raises(OffloadRefusal, match=r"ran outside its offloaded graphs.*inner\.embed.*from host memory"):
             with torch.no_grad():
                 m(x)
