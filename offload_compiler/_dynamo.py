@@ -218,6 +218,21 @@ def forget_skipped_code() -> None:
     _skipped_code.clear()
 
 
+def constant_while_tracing(function: Callable[[], Any]) -> Callable[[], Any]:
+    """``function`` (no arguments), called by dynamo while it traces and its result taken as a constant of the
+    graph, with no guard (``assume_constant_result``): what it tells must hold for as long as the graph can run
+    under the backend that compiled it."""
+    return torch._dynamo.assume_constant_result(function)
+
+
+def inlined_only(function: Callable) -> Callable:
+    """``function`` is traced into where dynamo meets it in a frame it compiles, but called from code that runs
+    without a graph it runs as plain Python: dynamo does not compile its frame on its own (nested frames are
+    still compiled). ``torch.compiler.disable(recursive=False)`` would also stop the inlining."""
+    _eval_frame.skip_code(function.__code__)
+    return function
+
+
 def _logging_methods() -> set:
     names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log", "warning_once",
              "warning_advice", "info_once")  # the last three: transformers' (set on logging.Logger when imported)

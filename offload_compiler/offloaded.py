@@ -18,10 +18,10 @@ How a call reaches the weights, route by route:
   is ``torch.compiler.disable``d, so the model is a clean boundary in the user's graph (its own graph runs,
   already compiled as the policy says); under ``fullgraph=True`` dynamo's error names the reason;
 - our own capture: while the model's graph is captured or run, the installed forwards are swapped for
-  `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container), and the
-  `_RoutedPart` objects are lifted (dynamo sees those modules as they are);
-- part of the forward run by dynamo without a graph (a graph break inside a loop): noticed, and every later
-  call is refused, since those frames read the weights from host memory.
+  `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container), as it traces
+  into the `_RoutedPart` objects;
+- part of the forward run by dynamo without a graph (a graph break inside a loop): the modules it calls are
+  parts called from Python, so each runs its own offloaded graph (slower, module by module); said once per model.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, \
-    forget_skipped_code, graph_breaks, graph_breaks_since, is_tracing_error, leave_fullgraph_region, model_error, \
+    constant_while_tracing, inlined_only, \
+    graph_breaks, graph_breaks_since, is_tracing_error, leave_fullgraph_region, model_error, \
     module_being_compiled, own_refusal, restore_fullgraph_region, skipped_frames, static_shapes, symbolic_sizes, \
     traced_module, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
@@ -79,7 +80,10 @@ class OffloadState:
     parts: dict = dataclasses.field(default_factory=dict)  # module -> (its __dict__, its `_RoutedPart`, its forward
     #   set on the instance before offloading or None): the other modules holding weights (`add_part`)
     routing: int = 0  # depth of offloaded calls (and captures) running now
-    refused: str | None = None  # why every call is refused (part of the forward ran without a graph)
+    breaks: dict = dataclasses.field(default_factory=dict)  # dynamo's graph-break counts when the outermost
+    #   offloaded call began (`graph_breaks`): the breaks of the call so far are those since
+    eager_part: nn.Module | None = None  # the first part called from Python during the current offloaded call
+    warned_eager: bool = False  # the one warning that part of the forward runs without a graph was given
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     limits: Any = dataclasses.field(default_factory=capture_config)  # entered around a call only where its
@@ -96,8 +100,6 @@ class OffloadState:
     def check_usable(self) -> None:
         if self.ended:
             raise OffloadRefusal(OFFLOAD_ENDED)
-        if self.refused is not None:
-            raise OffloadRefusal(self.refused)
         changed = None if self.routing else self.hooks.change()  # during a call: the model's own (`adopt_hooks`)
         if changed is not None:
             raise OffloadRefusal(HOOKS_REFUSED.format(model=self.name, action=changed))
@@ -121,26 +123,41 @@ class OffloadState:
 
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
-        """While our own graph is captured or run, dynamo traces into the installed forwards (and nothing is
-        refused: the graph fetches what it reads)."""
+        """While our own graph is captured or run, dynamo traces into the installed forwards and routed parts
+        (and nothing is refused: the graph fetches what it reads)."""
         saved = [(key, key[0].__dict__.get(key[1])) for key in self.forwards]
         for (module, method), forward in self.forwards.items():
             module.__dict__[method] = forward.through
-        parts = () if self.routing else self.parts.values()  # lifted by the outermost call (`_RoutedPart`)
-        for attributes, _, previous in parts:
-            if previous is None:
-                del attributes["forward"]
-            else:
-                attributes["forward"] = previous
         self.routing += 1
+        _OFFLOADED_CALLS.depth += 1
         try:
             yield
         finally:
+            _OFFLOADED_CALLS.depth -= 1
             self.routing -= 1
             for (module, method), previous in saved:
                 module.__dict__[method] = previous
-            for attributes, part, _ in parts:
-                attributes["forward"] = part
+
+    def warn_without_graph(self, unread: list[str]) -> None:
+        """Once per model, at the end of the first offloaded call in which a part was called from Python: dynamo
+        ran the calling code without a graph (a graph break inside a loop, a frame past its recompile limit). It
+        still streamed, module by module; the warning names dynamo's reasons (where this call met them), a
+        module it called, and the weights that no graph fetched."""
+        module, self.eager_part = self.eager_part, None
+        if self.warned_eager or module is None:
+            return
+        self.warned_eager = True
+        reasons = graph_breaks_since(self.breaks)
+        why = f" (dynamo's graph breaks: {'; '.join(reasons)})" if reasons else ""
+        unfetched = (f" The weights {unread[:4]}{' ...' if len(unread) > 4 else ''} were fetched by no graph: unused "
+                     f"in this call (a data-dependent route), or read there as tensors, not through a module call, "
+                     f"from host memory (on an accelerator such a read fails at the op)." if unread else "")
+        warnings.warn(
+            f"offload_compiler: dynamo runs part of {self.name}'s forward without a graph{why}. The modules that "
+            f"code calls, such as {_path_of(self, module) or type(module).__name__}, each run as their own offloaded "
+            f"graph, fetching their weights when called, with no prefetch ahead and a dispatch per module: slower, "
+            f"like a hook-based offloader, for that code only.{unfetched} Make that code traceable to stream it "
+            f"within one graph (TORCH_LOGS=graph_breaks shows where)", UserWarning, stacklevel=4)
 
     def add_part(self, module: nn.Module) -> None:
         """Route ``module`` (it holds offloaded weights) through a `_RoutedPart` of its own."""
@@ -392,8 +409,10 @@ class _OffloadedForward:
                     state.plan_component(path, args, kwargs)
             runtime = state.runtime
             args, kwargs, needs_grad = self._inputs_on_device(args, kwargs, runtime.device)
-            calls, skipped, breaks = runtime.graph_calls, skipped_frames(), graph_breaks()
-            runtime.used_groups.clear()
+            calls, skipped = runtime.graph_calls, skipped_frames()
+            if not state.routing:  # a part called from a frame run without a graph adds to its caller's
+                runtime.used_groups.clear()
+                state.breaks = graph_breaks()
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
             compiled = self._compiled or self._compile(runtime)
             try:
@@ -415,32 +434,22 @@ class _OffloadedForward:
                     f"{state.name} ran without its offloaded graph: torch.compile fell back to plain eager "
                     f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a "
                     f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
-            if skipped_frames() != skipped:
-                self._check_no_eager_reads(state, runtime, graph_breaks_since(breaks))
+            if not state.routing and state.eager_part is not None:
+                state.warn_without_graph(self._unfetched(state, runtime))
         return _inference_only(out) if needs_grad or self._trainable() else out
 
     def _trainable(self) -> bool:
         """The plain module's outputs would require grad for its weights: grad mode on, a weight requiring it."""
         return torch.is_grad_enabled() and any(p.requires_grad for p in self._module.parameters())
 
-    def _check_no_eager_reads(self, state: OffloadState, runtime: OffloadRuntime, reasons: list[str]) -> None:
-        """Dynamo ran part of this call without a graph (a frame with a graph break inside a loop, or past its
-        recompile limit). Frames it compiled inside that part are fine; but a group that no graph of this call
-        read was read there, from host memory: refused, now and on every later call."""
+    def _unfetched(self, state: OffloadState, runtime: OffloadRuntime) -> list[str]:
+        """The weights (of this module) that no graph of this call fetched. Where dynamo ran part of the call
+        without a graph, the modules that code called streamed (`_RoutedPart`); a weight listed here was unused
+        in this call (an expert no token was routed to) or read there as a tensor (``x + self.pos_embed``): the
+        two look the same from here, so they are named in the warning, not refused."""
         path = "" if self._root else _path_of(state, self._module)
-        unread = [g.name for g in runtime.groups if g.nbytes and g.index not in runtime.used_groups and (
-            not path or g.name == path or g.name.startswith(path + "."))]
-        if not unread:
-            return
-        reason = f"; this call's graph breaks: {'; '.join(reasons)}" if reasons else ""
-        state.refused = (
-            f"part of {state.name}'s forward ran outside its offloaded graphs: dynamo ran a frame without a graph (a "
-            f"graph break inside a loop, or past its recompile limit), and the weights of {unread[:4]}"
-            f"{' ...' if len(unread) > 4 else ''} were read there from host memory instead of being fetched. "
-            f"Make that code traceable (TORCH_LOGS=graph_breaks shows where{reason}; OffloadPolicy(fullgraph=True) "
-            f"makes every graph break an error); then offload again: offload_compile(remove_offload(m), policy)")
-        forget_skipped_code()
-        raise OffloadRefusal(state.refused)
+        return [slot.name for g in runtime.groups if g.nbytes and g.index not in runtime.used_groups and (
+            not path or g.name == path or g.name.startswith(path + ".")) for slot in g.slots]
 
     __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
 
@@ -552,6 +561,21 @@ def _own_frame(function: Any) -> Any:
                               offloaded_call.__closure__)
 
 
+class _CallDepth(threading.local):
+    depth = 0  # how deep in offloaded calls this thread is (`OffloadState.tracing_through`)
+
+
+_OFFLOADED_CALLS = _CallDepth()
+
+
+@constant_while_tracing
+def _tracing_an_offloaded_call() -> bool:
+    """Whether the graph dynamo traces now is one of our offloaded calls' (our backend: its graphs run only
+    inside offloaded calls) rather than the user's ``torch.compile`` of code that calls a part. A constant of
+    the graph, not a guard checked at each call."""
+    return getattr(_OFFLOADED_CALLS, "depth", 0) > 0
+
+
 class _TraceThrough:
     """An installed forward while its model's own graph is captured or run: dynamo traces into the module's
     code; called from Python meanwhile (code dynamo ran between graphs, another thread) it takes the
@@ -568,25 +592,34 @@ class _TraceThrough:
 
 class _RoutedPart:
     """The forward of every other module holding offloaded weights (a block, a layer's projection, a tied
-    ``lm_head``), called from outside an offloaded call: by hand (``m.model.layers[0](h)``,
-    ``m.get_input_embeddings()(ids)``), from a method of the model (``self.blocks[0](x)``), from the model's
-    forward reached around its instance attribute, from code the user compiles (a graph boundary, as the model
-    is). It runs the module's own offloaded graph, compiled at that first call: no route reads host memory.
-    During an offloaded call these are lifted (`OffloadState.tracing_through`): our capture sees the modules
-    as they are, with no guard of its own per module."""
+    ``lm_head``). Where dynamo traces an offloaded call, it traces straight into the module's own forward (the
+    graph fetches what it reads). Called from Python -- by hand (``m.model.layers[0](h)``), from a method of
+    the model, from its forward reached around its instance attribute, from a frame of an offloaded call that
+    dynamo runs without a graph (a graph break inside a loop) -- or met by the user's ``torch.compile`` (a graph
+    boundary, as the model is), it runs the module's own offloaded graph, compiled at that first call: no route
+    reads host memory."""
 
     def __init__(self, module: nn.Module, state: OffloadState, previous: Any) -> None:
         self._state = state
         self._module = module
         self.previous = previous  # a forward set on the instance before offloading, or None
+        self.forward = previous or type(module).forward.__get__(module)  # what dynamo traces into
         self._routed: _OffloadedForward | None = None
 
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
+    @inlined_only  # called from a frame dynamo runs without a graph: Python, so the module's own graph runs
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and _tracing_an_offloaded_call():
+            return self.forward(*args, **kwargs)
+        return self._route(*args, **kwargs)
+
+    def _route_call(self, *args: Any, **kwargs: Any) -> Any:
         if self._routed is None:
             self._routed = _OffloadedForward(self._module, self._state, True, function=self.previous)
+        if self._state.routing and self._state.eager_part is None:  # warned at the end of the outermost call
+            self._state.eager_part = self._module
         return self._routed(*args, **kwargs)
 
-    __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
+    _route = torch.compiler.disable(_route_call, reason=BOUNDARY)
 
     @property
     def __signature__(self) -> inspect.Signature:  # inspect.signature(module.forward) is the forward's own

@@ -1,5 +1,6 @@
 """Both entry points: `torch.compile(backend="omni_offload")` and `offload_compile`."""
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,8 @@ from torch import nn
 
 from offload_compiler import OffloadedModule, OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
 from offload_compiler.testing.models import llama
-from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, build_block_model
+from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, assert_traffic_matches_plan, \
+    build_block_model
 
 
 def test_fullgraph_llama_one_graph_no_breaks_no_recompiles():
@@ -89,10 +91,17 @@ class BreakInLoop(Broken):
         return x
 
 
-def test_a_frame_dynamo_skips_is_an_error_not_a_silent_plain_run():
-    m = offload_compile(BreakInLoop(), OffloadPolicy(strategy="layerwise", device="cpu"))
-    with pytest.raises(RuntimeError, match="ran without its offloaded graph"):
-        m(torch.randn(2, 16))
+def test_a_model_frame_dynamo_skips_streams_its_blocks_each_as_a_graph():
+    """Dynamo runs the model's own frame without a graph: its blocks run as their own offloaded graphs (it was
+    refused before: "ran without its offloaded graph")."""
+    model = BreakInLoop().requires_grad_(False)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
+    with pytest.warns(UserWarning, match="without a graph"), torch.no_grad():
+        assert torch.equal(m(x), expected)
+    assert_traffic_matches_plan(m)
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])

@@ -290,16 +290,15 @@ class _WithInnerLoop(nn.Module):
         return self.head(self.inner(x))
 
 
-def test_a_frame_dynamo_skipped_for_an_earlier_model_is_refused_again_not_read_from_host_memory():
-    """Before the fix the first model offloaded in a process was refused, and every later one of its class ran
-    the marked frame eagerly, with no dynamo counter moving: the inner model's weights (all but the head) were
-    read from host memory with no error."""
+def test_a_frame_dynamo_skipped_for_an_earlier_model_streams_for_the_next_one_too():
+    """Dynamo marks the skipped frame's code for the whole process: the next model of the class runs it without
+    a graph with no dynamo counter moving. Before, the first model was refused and the next one read the inner
+    model's weights (all but the head) from host memory with no error; its modules stream now, each model's."""
     for _ in range(2):  # the same weights each time
         m, x, expected, snapshot = _offloaded(_WithInnerLoop)
-        with pytest.raises(OffloadRefusal, match=r"ran outside its offloaded graphs.*inner\.embed.*from host memory"):
-            with torch.no_grad():
-                m(x)
+        with pytest.warns(UserWarning, match=r"without a graph.*inner\.embed"):  # once per model
+            _still_whole(m, x, expected, snapshot)
+        assert m._offload_runtime.used_groups == {g.index for g in m._offload_runtime.groups}
         plain = remove_offload(m)
         with torch.no_grad():
             assert torch.equal(plain(x), expected)
-        assert all(torch.equal(v, snapshot[k]) for k, v in plain.state_dict().items())
