@@ -15,6 +15,9 @@
 - `graph_breaks`, `graph_breaks_since`: the reasons of the graph breaks of one call, for an error that follows
   from one.
 - `module_being_compiled`: the model inside the ``torch.compile`` wrapper whose call dynamo is compiling.
+- `constant_while_tracing`, `inlined_only`, `guards_only_on`: a routed part traced into by our captures (a
+  per-thread depth read as a constant of the graph), run as plain Python where called from a frame dynamo
+  runs without a graph, and guarded by its identity alone.
 - `leave_fullgraph_region`, `restore_fullgraph_region`: an offloaded call made from the user's
   ``torch.compile(m, fullgraph=True)`` runs its own compiled frames as a call from plain Python would.
 """
@@ -231,6 +234,34 @@ def inlined_only(function: Callable) -> Callable:
     still compiled). ``torch.compiler.disable(recursive=False)`` would also stop the inlining."""
     _eval_frame.skip_code(function.__code__)
     return function
+
+
+def guards_only_on(kind: type) -> Callable[[list], list[bool]]:
+    """A ``guard_filter_fn`` (``torch.compile(..., options={"guard_filter_fn": ...})``) that keeps, of the guards
+    dynamo installs on an object of type ``kind`` and on what it reached through one, only the object's
+    ``ID_MATCH`` (for a callable object, the ``CLOSURE_MATCH`` that stands for it). For objects that never change once made (a `_RoutedPart`: its attributes, its class's
+    ``__call__``, and the module it holds are fixed at construction), what the dropped guards check -- its
+    ``__dict__``, its ``forward`` method's code, ``type(part).__call__``'s code, and that the module reached
+    through it is the module it is installed on (an object-aliasing guard, which dynamo checks in Python, a
+    lambda per part) -- follows from the identity: a few C++ checks per object, not a dozen and a lambda.
+
+    Private surface: the entries' ``orig_guard.originating_source`` and the sources' ``base`` chain
+    (``ChainedSource``)."""
+    def keep(entries: list) -> list[bool]:
+        held = {e.orig_guard.originating_source for e in entries if e.has_value and type(e.value) is kind}
+        if not held:
+            return [True] * len(entries)
+
+        def within(source: Any) -> bool:
+            while source is not None:
+                if source in held:
+                    return True
+                source = getattr(source, "base", None)
+            return False
+
+        return [not within(e.orig_guard.originating_source) or (e.orig_guard.originating_source in held and (
+            "ID_MATCH" in (e.guard_type, *e.derived_guard_types))) for e in entries]  # CLOSURE_MATCH: an ID_MATCH
+    return keep
 
 
 def _logging_methods() -> set:

@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, \
-    constant_while_tracing, inlined_only, \
+    constant_while_tracing, guards_only_on, inlined_only, \
     graph_breaks, graph_breaks_since, is_tracing_error, leave_fullgraph_region, model_error, \
     module_being_compiled, own_refusal, restore_fullgraph_region, skipped_frames, static_shapes, symbolic_sizes, \
     traced_module, user_frame
@@ -457,7 +457,8 @@ class _OffloadedForward:
         """The module's forward compiled with our backend; dynamo's raised limits and logging calls traced as no-ops
         (`_dynamo.capture_config`) are in force while it compiles, not while it runs."""
         self._compiled = compile_under_config(_own_frame(self.forward), backend=RuntimeBackend(runtime),
-                                              fullgraph=runtime.policy.fullgraph)
+                                              fullgraph=runtime.policy.fullgraph,
+                                              options={"guard_filter_fn": _PART_GUARDS})  # popped by torch
         return self._compiled
 
     def _run(self, compiled: Any, args: tuple, kwargs: dict) -> Any:
@@ -638,6 +639,9 @@ class _RoutedPart:
     def __reduce_ex__(self, protocol: int) -> Any:
         raise TypeError(f"{type(self._module).__name__} is part of the offloaded {self._state.name}: pickle or "
                         f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
+
+
+_PART_GUARDS = guards_only_on(_RoutedPart)  # a part is guarded by its identity alone: see there
 
 
 def _path_of(state: OffloadState, module: nn.Module) -> str:
