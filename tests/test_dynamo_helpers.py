@@ -1,0 +1,136 @@
+"""The private dynamo helpers that routed parts rely on (`_dynamo.constant_while_tracing`, `inlined_only`,
+`guards_only_on`), each checked for exactly what is relied on, so that a torch upgrade that changes one fails
+here, by name, rather than as a slow or wrong offloaded call somewhere else."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+
+from offload_compiler._dynamo import constant_while_tracing, guards_only_on, inlined_only
+
+_flag = {"on": True}
+
+
+@constant_while_tracing
+def _on() -> bool:
+    return _flag["on"]
+
+
+def test_constant_while_tracing_is_read_once_at_trace_time_with_no_guard():
+    """Read while dynamo traces, its value is a constant of the graph: changing what it reads later neither
+    recompiles nor changes the compiled result (what `_tracing_an_offloaded_call` relies on: no guard per call).
+    Called from Python it answers live."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(x):
+        return x + 1 if _on() else x - 1
+
+    x = torch.zeros(2)
+    try:
+        _flag["on"] = True
+        assert f(x).tolist() == [1.0, 1.0]
+        _flag["on"] = False
+        assert f(x).tolist() == [1.0, 1.0]  # the constant traced, not re-read
+        assert counter.frame_count == 1
+        assert _on() is False
+    finally:
+        _flag["on"] = True
+        torch._dynamo.reset()
+
+
+class _Callable:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, x):
+        return x * 2
+
+
+class _Inlined(_Callable):
+    @inlined_only
+    def __call__(self, x):
+        return x * 2
+
+
+def _compiled_frames(part) -> CompileCounter:
+    """``part`` called from a frame that dynamo compiles and from one it runs without a graph (a graph break in
+    a loop); the frames dynamo compiled."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def traced(x):
+        return part(x) + 1
+
+    @torch.compile(backend=counter)
+    def breaks_in_a_loop(x):
+        for _ in range(2):
+            torch._dynamo.graph_break()
+            x = part(x)
+        return x
+
+    x = torch.ones(2)
+    assert traced(x).tolist() == [3.0, 3.0]
+    assert breaks_in_a_loop(x).tolist() == [4.0, 4.0]
+    return counter
+
+
+def test_inlined_only_is_traced_into_but_not_compiled_as_a_frame_of_its_own():
+    """Met in a frame dynamo compiles, it is traced into (its op in that graph); called from a frame dynamo runs
+    without a graph, it runs as plain Python, where a plain callable's frame gets a graph of its own (what lets
+    a `_RoutedPart` there run its module's offloaded graph instead)."""
+    try:
+        plain = _compiled_frames(_Callable("plain"))
+        inlined = _compiled_frames(_Inlined("inlined"))
+    finally:
+        torch._dynamo.reset()
+    assert inlined.frame_count == 1 and inlined.op_count == 2  # traced(): x * 2 + 1, one graph
+    assert plain.frame_count > inlined.frame_count  # the plain callable's own frame compiled from the loop
+
+
+class _Part:
+    """Like a `_RoutedPart`: the instance forward of its module, holding the module's bound forward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.forward = type(module).forward.__get__(module)
+
+    def __call__(self, *args):
+        return self.forward(*args)
+
+
+def test_guards_only_on_keeps_the_objects_identity_and_drops_what_was_reached_through_it():
+    """The guards on an object of the kind, and on what dynamo reached through it, are dropped (the module's
+    object-aliasing guard among them: a Python lambda per object otherwise), except the object's own identity:
+    the compiled code still recompiles for another object in its place, and stays right."""
+    torch._dynamo.reset()
+    seen: list[tuple[str, bool]] = []
+    keep = guards_only_on(_Part)
+
+    def recording(entries):
+        kept = keep(entries)
+        seen.extend((e.guard_type, k) for e, k in zip(entries, kept))
+        return kept
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        layer.__dict__["forward"] = _Part(layer)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, options={"guard_filter_fn": recording})
+    x = torch.randn(2, 4)
+    try:
+        with torch.no_grad():
+            expected = model[1](model[0](x))
+            assert torch.equal(compiled(x), expected)
+            assert torch.equal(compiled(x), expected)
+            assert counter.frame_count == 1
+            assert ("DUPLICATE_INPUT", False) in seen and ("DUPLICATE_INPUT", True) not in seen
+            assert ("CLOSURE_MATCH", True) in seen or ("ID_MATCH", True) in seen
+            model[0].__dict__["forward"] = _Part(model[0])  # another object in its place: the identity guard
+            assert torch.equal(compiled(x), expected)
+            assert counter.frame_count == 2
+    finally:
+        torch._dynamo.reset()
