@@ -11,13 +11,13 @@ from torch import nn
 from ._dynamo import compiled_module_of
 from .planning import auto
 from .planning.auto import OffloadPlan
-from .offloaded import (OffloadState, OffloadedModule, detach, install_output_capture, offload_module,
+from .offloaded import (OffloadState, OffloadedModule, add_method, detach, install_output_capture, offload_module,
                         offload_pipeline, state_of)
 from .policy import OffloadPolicy
 from .runtime import OffloadRuntime, OffloadStats
 
 __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload_stats", "release_device_copies",
-           "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault"]
+           "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault", "register_offload_method"]
 
 
 def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: Any) -> Any:
@@ -45,6 +45,21 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
     offload_pipeline(model, policy)
     return model
+
+
+def register_offload_method(model: Any, name: str) -> None:
+    """Run ``model.<name>`` (a dotted name reaches a part: ``"vae.decode_latents"``, ``"model.embed"``) through an
+    offloaded graph of its own, as ``forward`` and the known entry methods (``encode``, ``decode``,
+    ``get_text_features``, ``get_image_features``) are. Without it, a method of your own still streams the parts
+    it calls, each on its own, but a weight it reads directly (``x @ self.proj.weight``) is not fetched."""
+    state = _state(model)
+    path, _, method = name.rpartition(".")
+    root = state.modules if state.modules is not None else model
+    try:
+        module = root.get_submodule(path) if path else root
+    except AttributeError as error:
+        raise ValueError(f"{state.name} has no part {path!r} (register_offload_method(model, 'part.method'))") from error
+    add_method(state, module, method)
 
 
 def _state(module: Any) -> OffloadState:

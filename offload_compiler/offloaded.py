@@ -742,6 +742,22 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
             state.add_part(module)
 
 
+def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
+    """Route ``module.method`` through an offloaded graph of its own, as the forwards and entry methods are
+    (`register_offload_method`): one captured graph with the method's transfers, instead of each part it calls
+    run on its own, and a weight it reads directly (``x @ self.proj.weight``) fetched, not read from host."""
+    with state.lock:
+        state.check_usable()
+        if (module, method) in state.forwards:
+            return
+        if not inspect.ismethod(getattr(module, method, None)):
+            raise ValueError(f"{type(module).__name__}.{method} is not a method of the module; register_offload_method "
+                             f"takes the name of a method its class defines (forward is routed already)")
+        forward = _OffloadedForward(module, state, True, method)
+        state.forwards[(module, method)] = forward
+        module.__dict__[method] = forward
+
+
 def _weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` holding a weight of a group, and those containing them (the model itself not
     included); under ``auto`` before planning, every module holding a weight."""
