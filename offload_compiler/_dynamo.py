@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
-from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
+from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.types import FrameAction
 from torch._dynamo.utils import counters
 
@@ -259,20 +259,14 @@ def static_shapes():
 
 
 def user_frame(exc: BaseException) -> str | None:
-    """``file.py:10 in forward: x = self.proj(x)``: the innermost line of the model's code that dynamo's report
-    (``from user code:``) names, outside torch and offload_compiler."""
-    found = None
+    """``file.py:10 in forward: x = self.proj(x)``: the innermost line of the model's code (outside torch and
+    offload_compiler) in the user stack that dynamo's exceptions carry (``real_stack``, a ``StackSummary``)."""
     for error in _chain(exc):
-        text = str(error)
-        if "from user code:" in text:
-            lines = text.split("from user code:", 1)[1].splitlines()
-            for i, line in enumerate(lines):
-                match = _FRAME.match(line)
-                if match and not match.group(1).startswith(_NOT_USER_CODE):
-                    code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-                    found = f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}: {code}"
-            if found:
-                return found
+        stack = getattr(error, "real_stack", None)
+        frames = [f for f in stack or () if not f.filename.startswith(_NOT_USER_CODE)]
+        if frames:
+            last = frames[-1]
+            return f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}: {(last.line or '').strip()}"
     return None
 
 
@@ -286,17 +280,24 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
 def is_tracing_error(exc: BaseException) -> bool:
-    return isinstance(exc, TorchRuntimeError)
+    """Whether dynamo was tracing when ``exc`` was raised: one of its exceptions is in the chain (torch 2.13 raises
+    its ``TorchRuntimeError`` itself; 2.14 re-raises the model's error with dynamo's in its context)."""
+    return any(isinstance(error, TorchDynamoException) for error in _chain(exc))
 
 
 def model_error(exc: BaseException) -> BaseException | None:
-    """The error the model's code raised while dynamo traced it (with fake tensors), under dynamo's wrappers."""
-    return next((error for error in _chain(exc) if not isinstance(error, TorchDynamoException)
-                 and isinstance(error, (RuntimeError, ValueError, TypeError, IndexError))), None)
+    """The error the model's code raised while dynamo traced it (with fake tensors): the innermost of the chain
+    that is not dynamo's -- the op's or the model's own ``raise``, which dynamo wraps outward, in text of its own
+    that changes between releases (it is never parsed here)."""
+    found = None
+    for error in _chain(exc):
+        if not isinstance(error, TorchDynamoException) and isinstance(error, (RuntimeError, ValueError, TypeError,
+                                                                              IndexError)):
+            found = error
+    return found
 
 
 def own_refusal(exc: BaseException) -> OffloadRefusal | None:

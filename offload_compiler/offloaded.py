@@ -454,22 +454,23 @@ class _OffloadedForward:
         try:
             return compiled(*args, **kwargs)
         except Exception as exc:
-            refusal = own_refusal(exc)
-            if refusal is not None and refusal is not exc:
-                refusal.offload_trace = exc
-                raise refusal from None
-            error = model_error(exc) if is_tracing_error(exc) else None
-            if error is None:
-                raise
-            if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes
-                try:
-                    with static_shapes():
-                        return compiled(*args, **kwargs)
-                except Exception as again:
-                    static_error = model_error(again) if is_tracing_error(again) else None
-                    if static_error is not None:
-                        exc, error = again, static_error
-            raise self._input_error(error, exc, args, kwargs) from None
+            failure = exc
+        refusal = own_refusal(failure)
+        if refusal is not None and refusal is not failure:
+            refusal.offload_trace = failure
+            raise refusal from None
+        error = model_error(failure) if is_tracing_error(failure) else None
+        if error is None:
+            raise failure
+        if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes, outside
+            try:                        # the handler above, so that the retry's chain holds only its own errors
+                with static_shapes():
+                    return compiled(*args, **kwargs)
+            except Exception as again:
+                static_error = model_error(again) if is_tracing_error(again) else None
+                if static_error is not None:
+                    failure, error = again, static_error
+        raise self._input_error(error, failure, args, kwargs) from None
 
     def _input_error(self, error: BaseException, exc: BaseException, args: tuple, kwargs: dict) -> BaseException:
         """The model's own error while tracing it (a wrong input shape), short: the module and method, the
