@@ -264,14 +264,30 @@ def _group_name(w: Weight, by_path: dict[str, Block], stacks: tuple[str, ...]) -
     return (block, block.path) if block is not None else (None, _outside_group(w.name, stacks))
 
 
-def _largest_groups(weights: list[Weight], blocks: list[Block], stacks: tuple[str, ...], n: int
-                    ) -> list[tuple[str, int]]:
-    sizes: dict[str, int] = {}
+def _group_sizes(weights: list[Weight], blocks: list[Block], stacks: tuple[str, ...]) -> dict[str, tuple[bool, int]]:
+    """(is a block, bytes) of each group ``blocks`` make, in the order of their first weight."""
+    sizes: dict[str, tuple[bool, int]] = {}
     by_path = {b.path: b for b in blocks}
     for w in weights:
-        name = _group_name(w, by_path, stacks)[1]
-        sizes[name] = sizes.get(name, 0) + w.nbytes
-    return sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+        block, name = _group_name(w, by_path, stacks)
+        sizes[name] = (block is not None, sizes.get(name, (False, 0))[1] + w.nbytes)
+    return sizes
+
+
+def _splittable(model: nn.Module, blocks: list[Block], names: Iterable[str]) -> tuple[Block, list[Block]] | None:
+    """The first of the groups ``names`` that is a block with blocks of its own, and those."""
+    by_path = {b.path: b for b in blocks}
+    for name in names:
+        block = by_path.get(name)
+        if block is not None and block.stack is not None and (subs := _sub_blocks(model, block)):
+            return block, subs
+    return None
+
+
+def _replaced(blocks: list[Block], block: Block, subs: list[Block]) -> list[Block]:
+    """``block`` split: what its sub-blocks leave (a block of no stack) and then its sub-blocks."""
+    at = blocks.index(block)
+    return blocks[:at] + [Block(block.path, None)] + subs + blocks[at + 1:]
 
 
 # layerwise with prefetch=1 holds at most its two largest groups on the device at once; split blocks until
@@ -286,18 +302,33 @@ def _split_dominant(model: nn.Module, blocks: list[Block], weights: list[Weight]
     widest down block. Stops when the two largest groups are at most half the model or cannot be split."""
     total = sum(w.nbytes for w in weights)
     while True:
-        largest = _largest_groups(weights, blocks, stacks, 2)
-        if sum(size for _, size in largest) <= SPLIT_UNTIL_SHARE * total:
+        largest = sorted(_group_sizes(weights, blocks, stacks).items(), key=lambda kv: (-kv[1][1], kv[0]))[:2]
+        if sum(size for _, (_, size) in largest) <= SPLIT_UNTIL_SHARE * total:
             return blocks
-        by_path = {b.path: b for b in blocks}
-        split = next(((by_path[name], subs) for name, _ in largest
-                      if name in by_path and by_path[name].stack is not None
-                      and (subs := _sub_blocks(model, by_path[name]))), None)
+        split = _splittable(model, blocks, (name for name, _ in largest))
         if split is None:
             return blocks
-        block, subs = split
-        at = blocks.index(block)
-        blocks = blocks[:at] + [Block(block.path, None)] + subs + blocks[at + 1:]
+        blocks = _replaced(blocks, *split)
+
+
+def _split_at_budget(model: nn.Module, blocks: list[Block], weights: list[Weight], stacks: tuple[str, ...],
+                     target: int) -> list[Block]:
+    """``blocks`` with the block at which ``budget`` reaches ``target`` streamed bytes (whole blocks, front to
+    back) split while it would overshoot the target by more than `BUDGET_SLACK` (MaxViT's last stage: its
+    first layer alone is over a quarter of the model)."""
+    while True:
+        streamed = 0
+        for name, (is_block, size) in _group_sizes(weights, blocks, stacks).items():
+            if is_block and streamed < target:
+                streamed += size
+                if streamed >= target:
+                    break
+        else:
+            return blocks  # the blocks end before the target: the other groups make it up
+        split = _splittable(model, blocks, [name]) if streamed > (1 + BUDGET_SLACK) * target else None
+        if split is None:
+            return blocks
+        blocks = _replaced(blocks, *split)
 
 
 def _outside_group(name: str, containers: Iterable[str]) -> str:
@@ -364,6 +395,8 @@ def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] |
             f"on {type(model).__name__} (or OffloadPolicy(blocks_attr=...)); its top-level modules holding "
             f"weights are {holders}")
     blocks = _split_dominant(model, _blocks_in(model, stacks), weights, stacks)
+    if policy.strategy == "budget" and policy.offload_bytes:
+        blocks = _split_at_budget(model, blocks, weights, stacks, policy.offload_bytes)
     by_path = {b.path: b for b in blocks}
     in_blocks: dict[str, tuple[Block, list[Weight]]] = {}  # by block path, in the order of their first weight
     outside: dict[str, list[Weight]] = {}

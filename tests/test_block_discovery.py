@@ -118,7 +118,7 @@ class Transition(nn.Sequential):
 
 
 class DenseNet(nn.Module):
-    def __init__(self, growth=8, blocks=(2, 4, 8, 5), classes=10):
+    def __init__(self, growth=8, blocks=(2, 3, 6, 4), classes=10):  # densenet121: (6, 12, 24, 16)
         super().__init__()
         width = 2 * growth
         parts: list[tuple[str, nn.Module]] = [("conv0", nn.Conv2d(3, width, 3, 1, 1, bias=False)),
@@ -378,7 +378,7 @@ def test_dominant_stages_are_split_into_their_blocks():
     assert {"trunk_output.block4.block4-0", "trunk_output.block4.block4-3"} <= set(names)
     assert "trunk_output.block4" not in names  # the stage holds nothing but its blocks
     names = [g.name for g in plan_groups(build("densenet")[0], OffloadPolicy(**POLICY))]
-    assert "features.denseblock3.denselayer8" in names and "features.conv0" in names
+    assert "features.denseblock3.denselayer6" in names and "features.conv0" in names
 
 
 def test_blocks_attr_names_a_sequential_with_named_children():
@@ -443,6 +443,21 @@ def test_declared_stacks_are_honoured_and_a_dominant_block_still_split():
     model, _ = build("regnet")
     names = [g.name for g in plan_groups(model, OffloadPolicy(**POLICY, blocks_attr="trunk_output"))]
     assert names[0] == "trunk_output.block1" and "trunk_output.block4.block4-2" in names
+
+
+def test_budget_splits_the_block_that_would_overshoot_offload_gb(recwarn):
+    """A quarter of RegNet ends inside its last stage: that stage is split there, so budget streams close to
+    the quarter (not the whole stage), and runs as the plain model."""
+    model, inputs = build("regnet")
+    target = model_bytes(model) / 4
+    policy = OffloadPolicy(strategy="budget", device="cpu", compiler="eager", offload_gb=target / 2**30)
+    groups = plan_groups(model, policy)
+    streamed = [g.name for g in groups if g.streamed]
+    assert streamed[:3] == ["trunk_output.block1", "trunk_output.block2", "trunk_output.block3"]
+    assert streamed[3].startswith("trunk_output.block4.block4-0")  # part of the last stage, not all of it
+    assert target <= sum(g.nbytes for g in groups if g.streamed) <= 1.25 * target
+    assert_offload_equivalent(model, policy, **inputs)
+    assert not [w for w in recwarn if issubclass(w.category, OffloadSavingWarning)]
 
 
 def test_budget_far_from_offload_gb_is_warned_about():
