@@ -242,7 +242,10 @@ def _blocks_in(model: nn.Module, stacks: Iterable[str]) -> list[Block]:
 def _sub_blocks(model: nn.Module, block: Block) -> list[Block]:
     """The blocks of the stacks inside ``block``; none where it is made of single layers, or where one of them
     is all of it (a list of one block), so that splitting would leave the largest part as large."""
-    module = _submodule(model, block.path)
+    try:
+        module = _submodule(model, block.path)
+    except KeyError:  # a declared stack reached through a plain attribute: its weights are named elsewhere
+        return []
     subs = _blocks_in(model, [_join(block.path, stack) for stack in _discover(module, INNER_STACKS)])
     whole = _module_bytes(module)
     return subs if all(_module_bytes(_submodule(model, b.path)) < whole for b in subs) else []
