@@ -2,9 +2,9 @@
 explicit nodes of the model's graph (eager or inductor)."""
 
 from .api import (OffloadedModule, describe_plan, inject_fault, offload_compile, offload_plan, offload_stats,
-                  plan_offload, release_device_copies, remove_offload, reset_offload_stats)
+                  plan_offload, register_offload_method, release_device_copies, remove_offload, reset_offload_stats)
 from .config import load_stage_configs
-from .errors import OffloadRefusal
+from .errors import OffloadRefusal, OffloadSavingWarning
 from .planning.auto import OffloadPlan
 from .offloaded import omni_offload
 from .planning.planner import InfeasibleBudgetError
@@ -12,6 +12,7 @@ from .policy import OffloadPolicy
 from .runtime import OffloadStats
 
 __all__ = ["OffloadPolicy", "OffloadStats", "OffloadedModule", "offload_compile", "offload_stats",
-           "reset_offload_stats", "release_device_copies", "describe_plan", "remove_offload", "inject_fault", "omni_offload", "OffloadPlan",
-           "offload_plan", "plan_offload", "InfeasibleBudgetError", "OffloadRefusal", "load_stage_configs"]
+           "reset_offload_stats", "release_device_copies", "describe_plan", "remove_offload", "inject_fault", "omni_offload",
+           "OffloadPlan", "register_offload_method", "offload_plan", "plan_offload", "InfeasibleBudgetError",
+           "OffloadRefusal", "OffloadSavingWarning", "load_stage_configs"]
 __version__ = "0.1.0"

@@ -4,8 +4,8 @@
 - `skipped_frames`: how many frames dynamo has run without a graph (a graph break inside a loop, the
   recompile limit), so an offloaded call can notice that part of its model ran eagerly.
 - `model_error`: the model's own exception under dynamo's ``TorchRuntimeError`` wrapper.
-- `traced_module`: the module whose frame dynamo is compiling, found from a weight's source name;
-  `weight_path`: a weight's dotted name from its source.
+- `compiled_models`: the modules inside the live ``torch.compile`` wrappers (the backend route finds its model
+  among them by the identity of the graph's weights).
 - `static_shapes`, `symbolic_sizes`, `user_frame`: a model error traced with symbolic sizes (``s27``) traced
   again with the call's own sizes, and the line of the model's code that failed.
 - `capture_config`: the config patch our captures run under (made once per model: torch keeps a ContextVar
@@ -14,7 +14,6 @@
   `capture_config` in force only while dynamo compiles one of its frames (nothing entered on a steady call).
 - `graph_breaks`, `graph_breaks_since`: the reasons of the graph breaks of one call, for an error that follows
   from one.
-- `module_being_compiled`: the model inside the ``torch.compile`` wrapper whose call dynamo is compiling.
 - `constant_while_tracing`, `inlined_only`, `guards_only_on`: a routed part traced into by our captures (a
   per-thread depth read as a constant of the graph), run as plain Python where called from a frame dynamo
   runs without a graph, and guarded by its identity alone.
@@ -25,17 +24,17 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
-import sys
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
-from torch._dynamo.exc import TorchDynamoException, TorchRuntimeError
+from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.types import FrameAction
 from torch._dynamo.utils import counters
 
@@ -306,20 +305,14 @@ def static_shapes():
 
 
 def user_frame(exc: BaseException) -> str | None:
-    """``file.py:10 in forward: x = self.proj(x)``: the innermost line of the model's code that dynamo's report
-    (``from user code:``) names, outside torch and offload_compiler."""
-    found = None
+    """``file.py:10 in forward: x = self.proj(x)``: the innermost line of the model's code (outside torch and
+    offload_compiler) in the user stack that dynamo's exceptions carry (``real_stack``, a ``StackSummary``)."""
     for error in _chain(exc):
-        text = str(error)
-        if "from user code:" in text:
-            lines = text.split("from user code:", 1)[1].splitlines()
-            for i, line in enumerate(lines):
-                match = _FRAME.match(line)
-                if match and not match.group(1).startswith(_NOT_USER_CODE):
-                    code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-                    found = f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}: {code}"
-            if found:
-                return found
+        stack = getattr(error, "real_stack", None)
+        frames = [f for f in stack or () if not f.filename.startswith(_NOT_USER_CODE)]
+        if frames:
+            last = frames[-1]
+            return f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}: {(last.line or '').strip()}"
     return None
 
 
@@ -333,17 +326,24 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
 def is_tracing_error(exc: BaseException) -> bool:
-    return isinstance(exc, TorchRuntimeError)
+    """Whether dynamo was tracing when ``exc`` was raised: one of its exceptions is in the chain (torch 2.13 raises
+    its ``TorchRuntimeError`` itself; 2.14 re-raises the model's error with dynamo's in its context)."""
+    return any(isinstance(error, TorchDynamoException) for error in _chain(exc))
 
 
 def model_error(exc: BaseException) -> BaseException | None:
-    """The error the model's code raised while dynamo traced it (with fake tensors), under dynamo's wrappers."""
-    return next((error for error in _chain(exc) if not isinstance(error, TorchDynamoException)
-                 and isinstance(error, (RuntimeError, ValueError, TypeError, IndexError))), None)
+    """The error the model's code raised while dynamo traced it (with fake tensors): the innermost of the chain
+    that is not dynamo's -- the op's or the model's own ``raise``, which dynamo wraps outward, in text of its own
+    that changes between releases (it is never parsed here)."""
+    found = None
+    for error in _chain(exc):
+        if not isinstance(error, TorchDynamoException) and isinstance(error, (RuntimeError, ValueError, TypeError,
+                                                                              IndexError)):
+            found = error
+    return found
 
 
 def own_refusal(exc: BaseException) -> OffloadRefusal | None:
@@ -365,37 +365,14 @@ def cannot_capture_in_one_graph(exc: BaseException) -> bool:
     return False
 
 
-_LOCAL = re.compile(r"^([LG])\['([^']+)'\]")
-
-
-def traced_module(gm: torch.fx.GraphModule) -> nn.Module | None:
-    """The module dynamo is tracing, found from a weight's source name and the frame being compiled."""
-    names = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get("grapharg") is not None:
-            source = node.meta["grapharg"].source.name
-            match = _LOCAL.match(source)
-            if match and ("._parameters[" in source or "._buffers[" in source):
-                names.append(match.groups())
-    if not names:
-        return None
-    scope, name = max(set(names), key=names.count)
-    frame = sys._getframe()
-    while frame is not None:
-        traced = frame.f_locals.get("frame")
-        if traced is not None and hasattr(traced, "f_locals") and hasattr(traced, "f_globals"):
-            root = (traced.f_locals if scope == "L" else traced.f_globals).get(name)
-            if isinstance(root, nn.Module):
-                return root
-        frame = frame.f_back
-    return None
-
-
-def weight_path(placeholder: torch.fx.Node) -> str:
-    """``blocks.3.lin.weight``, from dynamo's source of a module's parameter (else the placeholder's name)."""
-    grapharg = placeholder.meta.get("grapharg")
-    source = grapharg.source.name if grapharg is not None else ""
-    return ".".join(re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source)) or placeholder.name
+def compiled_models() -> list[nn.Module]:
+    """The modules inside every live ``torch.compile`` wrapper (``OptimizedModule``). A backend is handed a graph
+    and its inputs, never the module being compiled; the weights among those inputs are the module's own tensor
+    objects, so the model is found by identity among these (`offloaded.model_holding`), not from where dynamo
+    is on the Python stack nor from how it spells a weight's source (both changed under transformers 5's
+    wrapped forwards). The garbage collector's list is walked once per graph compiled (about 0.1 s with
+    transformers imported); ``type(obj)`` does not run the ``__class__`` properties of lazy module objects."""
+    return [obj._orig_mod for obj in gc.get_objects() if issubclass(type(obj), OptimizedModule)]
 
 
 _set_fullgraph_count = getattr(_EVAL_FRAME, "set_fullgraph_compiled_frame_count", None)  # torch 2.13
@@ -430,15 +407,3 @@ def restore_fullgraph_region(prior: tuple | None) -> None:
             setter(value + 1)
     else:
         setter(value)
-
-
-def module_being_compiled() -> nn.Module | None:
-    """The model inside the ``torch.compile(model)`` wrapper whose call dynamo is compiling now (from the
-    wrapper's frame on the stack), or None when a function was compiled."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        wrapper = frame.f_locals.get("self")
-        if isinstance(wrapper, OptimizedModule):
-            return wrapper._orig_mod
-        frame = frame.f_back
-    return None

@@ -9,15 +9,17 @@ from typing import Any
 from torch import nn
 
 from ._dynamo import compiled_module_of
+from .errors import OffloadSavingWarning
+from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warning
 from .planning import auto
 from .planning.auto import OffloadPlan
-from .offloaded import (OffloadState, OffloadedModule, detach, install_output_capture, offload_module,
+from .offloaded import (OffloadState, OffloadedModule, add_method, detach, install_output_capture, offload_module,
                         offload_pipeline, state_of)
-from .policy import OffloadPolicy
+from .policy import OffloadPolicy, warn_user
 from .runtime import OffloadRuntime, OffloadStats
 
 __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload_stats", "release_device_copies",
-           "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault"]
+           "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault", "register_offload_method"]
 
 
 def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: Any) -> Any:
@@ -39,12 +41,61 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
                          f"policy, offload the original again: offload_compile(remove_offload(m), policy)")
     if isinstance(model, nn.Module):
         offload_module(model, policy)
+        _check_saving(model, policy)
         return model
     if policy.strategy == "none":
         raise TypeError(f"strategy='none' keeps every weight on the device: for a pipeline object "
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
     offload_pipeline(model, policy)
     return model
+
+
+def register_offload_method(model: Any, name: str) -> None:
+    """Run ``model.<name>`` (a dotted name reaches a part: ``"vae.decode_latents"``, ``"model.embed"``) through an
+    offloaded graph of its own, as ``forward`` and the known entry methods (``encode``, ``decode``,
+    ``get_text_features``, ``get_image_features``) are. Without it, a method of your own still streams the parts
+    it calls, each on its own, but a weight it reads directly (``x @ self.proj.weight``) is not fetched."""
+    state = _state(model)
+    path, _, method = name.rpartition(".")
+    root = state.modules if state.modules is not None else model
+    try:
+        module = root.get_submodule(path) if path else root
+    except AttributeError as error:
+        raise ValueError(f"{state.name} has no part {path!r} (register_offload_method(model, 'part.method'))") from error
+    add_method(state, module, method)
+
+
+def _check_saving(model: nn.Module, policy: OffloadPolicy) -> None:
+    """Warn, before the first call, where the groups make layerwise or budget save little (`saving_warning`)."""
+    runtime = state_of(model).runtime
+    if runtime is None or policy.strategy not in BLOCK_STRATEGIES:  # auto plans at its first call
+        return
+    message = saving_warning(model, runtime.groups, policy, block_paths(model, policy), runtime.unmanaged_bytes)
+    if message is not None:
+        warn_user(message, OffloadSavingWarning)
+
+
+def device_weight_peak(runtime: OffloadRuntime) -> tuple[int, bool] | None:
+    """Peak bytes of weights on the device, those kept there included: the verifier's over the captured graphs
+    (True), else, for a block strategy before its first call, `peak_estimate` (False); None otherwise."""
+    if runtime.graph_plans:
+        return max(p.verified.peak_bytes for p in runtime.graph_plans) + runtime.unmanaged_bytes, True
+    if runtime.policy.strategy not in BLOCK_STRATEGIES:
+        return None
+    policy = runtime.policy
+    return peak_estimate(runtime.groups, policy.prefetch, policy.prefetch_next_call) + runtime.unmanaged_bytes, False
+
+
+def _saving_line(runtime: OffloadRuntime) -> str | None:
+    peak = device_weight_peak(runtime)
+    total = runtime.total_bytes + runtime.unmanaged_bytes
+    if peak is None or not total:
+        return None
+    nbytes, verified = peak
+    how = ("verified over the captured graphs" if verified else
+           "estimated before the first call: resident groups + the prefetch+1 largest streamed ones")
+    return (f"  device weight peak {nbytes / 2**20:.3f} MiB of {total / 2**20:.3f} MiB: {nbytes / total:.0%} of the "
+            f"model ({how})")
 
 
 def _state(module: Any) -> OffloadState:
@@ -88,7 +139,8 @@ def describe_plan(module: Any) -> str:
     if state.runtime is None:
         return (f"offload plan for {state.name}: strategy='auto', not planned yet (it plans at its first call, or "
                 f"at m.plan(*inputs))")
-    return state.runtime.describe()
+    saving = _saving_line(state.runtime)
+    return state.runtime.describe() + (f"\n{saving}" if saving else "")
 
 
 def offload_plan(module: Any) -> OffloadPlan:

@@ -17,7 +17,6 @@ import torch.fx as fx
 from torch import nn
 
 from . import ops  # noqa: F401  (registers the transfer ops)
-from ._dynamo import weight_path
 from .errors import OffloadRefusal
 from .grouping import GroupSpec, plan_groups
 from .lowering import compile_for_inductor, lower_for_eager
@@ -73,6 +72,7 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
             seen.add(id(tensor))
             runtime.unmanaged_bytes += leaf_nbytes(tensor)
     runtime.unmanaged_ids = seen
+    runtime.model_ref = weakref.ref(model)
     return runtime
 
 
@@ -224,10 +224,12 @@ def _refuse_foreign_weights(passed: list, compiled_ids: tuple, rt: OffloadRuntim
 def _refuse_parameters_added_later(gm: fx.GraphModule, example_inputs: list, rt: OffloadRuntime) -> None:
     """A graph reading a parameter that offloading never saw (a block appended, a module or parameter replaced
     after offloading): it would read that parameter wherever it is, un-offloaded, and silently."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    new = [weight_path(node) for node, value in zip(placeholders, example_inputs) if isinstance(value, nn.Parameter)
+    new = [value for value in example_inputs if isinstance(value, nn.Parameter)
            and id(value) not in rt.group_of and id(value) not in rt.unmanaged_ids]
     if new:
+        model = rt.model_ref() if rt.model_ref is not None else None
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)} if model else {}
+        new = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in new]
         raise OffloadRefusal(_not_held(rt, ", ".join(new[:4]) + (" ..." if len(new) > 4 else "")))
 
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from ._tree import tensors_of, to_device
-from .api import describe_plan, offload_compile, offload_plan, offload_stats, reset_offload_stats
+from .api import describe_plan, device_weight_peak, offload_compile, offload_plan, offload_stats, reset_offload_stats
 from .offloaded import state_of
 from .planning.planner import InfeasibleBudgetError
 from .config import load_stage_configs, policy_from_engine_args, warn_user
@@ -213,7 +213,7 @@ def pinning_note(policy: OffloadPolicy, runtime: Any) -> str | None:
 
 def runtime_plan_dict(runtime: Any) -> dict[str, Any]:
     """The plan of an offloaded model as data: each group's bytes and residency, each graph's fetches and
-    verified peak (what ``describe_plan`` prints)."""
+    verified peak, and the device weight peak as a share of the model (what ``describe_plan`` prints)."""
     policy = runtime.policy
     groups = [{"index": g.index, "name": g.name, "bytes": g.nbytes, "residency": "streamed" if g.streamed else
                "resident"} for g in runtime.groups]
@@ -221,10 +221,14 @@ def runtime_plan_dict(runtime: Any) -> dict[str, Any]:
                "predicted_peak_bytes": plan.verified.peak_bytes, "resident_bytes": plan.verified.resident_bytes,
                "streamed_peak_bytes": plan.verified.streamed_peak_bytes, "carried_bytes": plan.verified.carried_bytes}
               for plan in runtime.graph_plans]
+    peak = device_weight_peak(runtime)
+    total = runtime.total_bytes + runtime.unmanaged_bytes
+    saving = None if peak is None else {"device_weight_peak_bytes": peak[0], "share_of_model": peak[0] / total if total else None,
+                                        "verified": peak[1]}
     return {"model": runtime.model_name, "strategy": policy.strategy, "device": str(runtime.device),
             "prefetch": policy.prefetch, "prefetch_next_call": policy.prefetch_next_call,
             "compiler": policy.compiler, "pinned": runtime.pinned, "groups": groups, "graphs": graphs,
-            "total_bytes": runtime.total_bytes, "unmanaged_bytes": runtime.unmanaged_bytes}
+            "total_bytes": runtime.total_bytes, "unmanaged_bytes": runtime.unmanaged_bytes, "saving": saving}
 
 
 def _save_plots(directory: str, plan: Any, runtime: Any) -> None:

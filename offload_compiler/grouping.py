@@ -89,6 +89,28 @@ def _holds_weights(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
+def _module_bytes(module: nn.Module) -> int:
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(leaf_nbytes(t) for t in tensors.values())
+
+
+def _join(parent: str, child: str) -> str:
+    return ".".join(part for part in (parent, child) if part)
+
+
+def _inside(path: str, container: str) -> bool:
+    """Whether module ``path`` lies strictly inside module ``container`` ("" is the root)."""
+    return path != container and (not container or path.startswith(container + "."))
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module:
+    """``model.get_submodule(path)`` through the registered children only: a child may share its name with a
+    method (``double``, ``half``), which ``getattr`` would find first."""
+    for part in path.split(".") if path else ():
+        model = model._modules[part]
+    return model
+
+
 def _resolve(model: nn.Module, path: str) -> nn.Module:
     module: object = model
     for part in path.split(".") if path else ():
@@ -103,8 +125,9 @@ def _resolve(model: nn.Module, path: str) -> nn.Module:
                 f"{BLOCKS_ATTR} / blocks_attr = {path!r} on {type(model).__name__} points at nothing "
                 f"(no attribute {part!r}); the model's top-level modules are {top}")
     if not isinstance(module, nn.Module) or not list(module.children()):
-        raise ValueError(f"{BLOCKS_ATTR} / blocks_attr = {path!r} on {type(model).__name__} must point at an "
-                         f"nn.ModuleList of blocks; it is a {type(module).__name__} with no child modules")
+        raise ValueError(f"{BLOCKS_ATTR} / blocks_attr = {path!r} on {type(model).__name__} must point at the "
+                         f"module holding the blocks (an nn.ModuleList, an nn.Sequential or any module whose "
+                         f"children are the blocks); it is a {type(module).__name__} with no child modules")
     return module
 
 
@@ -118,25 +141,81 @@ def declared_block_paths(model: nn.Module, policy: OffloadPolicy) -> tuple[str, 
     return paths
 
 
-def discover_block_paths(model: nn.Module) -> tuple[str, ...]:
-    """Block lists of a model with no declaration: the largest outermost ``nn.ModuleList`` whose children hold
-    weights, plus any other outermost list at least a tenth its size (Flux has two, a UNet several).
-    ``nn.Sequential`` (of two or more weight-holding children) only where there is no such list."""
-    def candidates(kind: type, least: int) -> list[tuple[str, int]]:
-        found: list[tuple[str, int]] = []
-        for path, module in model.named_modules():
-            if not isinstance(module, kind) or any(path.startswith(p + ".") for p, _ in found):
-                continue
-            holders = [child for child in module.children() if _holds_weights(child)]
-            if len(holders) >= least:
-                found.append((path, sum(w.numel() * w.element_size() for w in module.parameters())))
-        return found
+# -- kinds of block stack: a module whose children are blocks -------------------------------------------------
 
-    found = candidates(nn.ModuleList, 1) or candidates(nn.Sequential, 2)
-    if not found:
-        return ()
-    largest = max(size for _, size in found)
-    return tuple(path for path, size in found if size * 10 >= largest)
+def _holders(module: nn.Module) -> list[nn.Module]:
+    return [child for child in module.children() if _holds_weights(child)]
+
+
+def _made_of_layers(module: nn.Module) -> bool:
+    return any(_holds_weights(child) for child in module.children())
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    """An nn.ModuleList holding weights: how transformers and diffusers keep their blocks."""
+    return isinstance(module, nn.ModuleList) and bool(_holders(module))
+
+
+def _is_list_of_blocks(module: nn.Module) -> bool:
+    """An nn.ModuleList whose members are each made of layers (a T5 block's sublayers, a UNet down block's
+    resnets), not a list of single layers (diffusers' ``to_out``, ``ff.net``)."""
+    holders = _holders(module)
+    return isinstance(module, nn.ModuleList) and bool(holders) and all(map(_made_of_layers, holders))
+
+
+def _repeats_blocks(module: nn.Module) -> bool:
+    """Repeated blocks outside a ModuleList (torchvision's ViT ``encoder.layers``, RegNet's ``trunk_output``,
+    DenseNet's ``features`` and ``denseblock1``), named or numbered: an nn.Sequential or nn.ModuleDict with two
+    or more weight-holding children of one class made of layers, or another module whose weight-holding
+    children are all of one such class. Repeated single layers (q/k/v projections, two norms) and a layer
+    that merely holds two blocks of a kind among others (a decoder layer's self and cross attention) are not
+    stacks."""
+    blocks = [type(child) for child in _holders(module) if _made_of_layers(child)]
+    if isinstance(module, (nn.Sequential, nn.ModuleDict)):
+        return any(blocks.count(cls) >= 2 for cls in set(blocks))
+    return len(blocks) >= 2 and len(set(blocks)) == 1 and len(blocks) == len(_holders(module))
+
+
+def _is_layer_sequence(module: nn.Module) -> bool:
+    """An nn.Sequential of two or more weight-holding layers: the last resort of a model with no blocks."""
+    return isinstance(module, nn.Sequential) and len(_holders(module)) >= 2
+
+
+# most specific first: discovery takes the first kind a model has (a transformer's ModuleList of layers, not
+# a Sequential of layers inside its head)
+MODEL_STACKS = (_is_block_list, _repeats_blocks, _is_layer_sequence)
+# inside a block only stacks of blocks split it: a sequence of single layers stays one block
+INNER_STACKS = (_is_list_of_blocks, _repeats_blocks)
+SMALLEST_STACK = 0.1  # stacks under this share of the largest are left to the groups outside the blocks
+
+
+def _outermost(model: nn.Module, is_stack) -> list[str]:
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if not any(_inside(path, p) for p in found) and is_stack(module):
+            found.append(path)
+    return found
+
+
+def _discover(model: nn.Module, kinds) -> tuple[str, ...]:
+    """The outermost stacks of the first kind ``model`` has, but those under a tenth the size of the largest
+    (Flux has two stacks, a UNet several; a list of one norm is not worth streaming on its own)."""
+    for is_stack in kinds:
+        found = _outermost(model, is_stack)
+        if found:
+            sizes = {path: _module_bytes(_submodule(model, path)) for path in found}
+            largest = max(sizes.values())
+            return tuple(path for path in found if sizes[path] >= SMALLEST_STACK * largest)
+    return ()
+
+
+def discover_block_paths(model: nn.Module) -> tuple[str, ...]:
+    """Block stacks of a model with no declaration: every outermost ``nn.ModuleList`` holding weights; where
+    there is none, every outermost stack of repeated blocks (`_repeats_blocks`: an ``nn.Sequential``, a
+    ``ModuleDict`` or a plain module, numbered or named children); where there is none, every outermost
+    ``nn.Sequential`` of two or more weight-holding layers. Stacks under a tenth the size of the largest are
+    left out."""
+    return _discover(model, MODEL_STACKS)
 
 
 def block_paths(model: nn.Module, policy: OffloadPolicy) -> tuple[str, ...]:
@@ -144,8 +223,115 @@ def block_paths(model: nn.Module, policy: OffloadPolicy) -> tuple[str, ...]:
     return declared if declared is not None else discover_block_paths(model)
 
 
-def _owner(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ROOT
+# -- blocks: the children of the stacks, dominant ones split into their own blocks ----------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A module whose weights move together: a child of the stack ``stack``; or, with ``stack`` None, what is
+    left of a block that was split into its own blocks (a stage's downsampling layer, an MoE layer's
+    attention)."""
+    path: str
+    stack: str | None
+
+
+def _blocks_in(model: nn.Module, stacks: Iterable[str]) -> list[Block]:
+    return [Block(_join(stack, name), stack) for stack in stacks
+            for name, child in _resolve(model, stack).named_children() if _holds_weights(child)]
+
+
+def _sub_blocks(model: nn.Module, block: Block) -> list[Block]:
+    """The blocks of the stacks inside ``block``; none where it is made of single layers, or where one of them
+    is all of it (a list of one block), so that splitting would leave the largest part as large."""
+    try:
+        module = _submodule(model, block.path)
+    except KeyError:  # a declared stack reached through a plain attribute: its weights are named elsewhere
+        return []
+    subs = _blocks_in(model, [_join(block.path, stack) for stack in _discover(module, INNER_STACKS)])
+    whole = _module_bytes(module)
+    return subs if all(_module_bytes(_submodule(model, b.path)) < whole for b in subs) else []
+
+
+def _block_of(name: str, by_path: dict[str, Block]) -> Block | None:
+    """The innermost block holding weight ``name``: blocks nest where a block was split (or where declared
+    stacks nest), and a weight belongs to the deepest."""
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        block = by_path.get(".".join(parts[:depth]))
+        if block is not None:
+            return block
+    return None
+
+
+def _group_name(w: Weight, by_path: dict[str, Block], stacks: tuple[str, ...]) -> tuple[Block | None, str]:
+    block = _block_of(w.name, by_path)
+    return (block, block.path) if block is not None else (None, _outside_group(w.name, stacks))
+
+
+def _group_sizes(weights: list[Weight], blocks: list[Block], stacks: tuple[str, ...]) -> dict[str, tuple[bool, int]]:
+    """(is a block, bytes) of each group ``blocks`` make, in the order of their first weight."""
+    sizes: dict[str, tuple[bool, int]] = {}
+    by_path = {b.path: b for b in blocks}
+    for w in weights:
+        block, name = _group_name(w, by_path, stacks)
+        sizes[name] = (block is not None, sizes.get(name, (False, 0))[1] + w.nbytes)
+    return sizes
+
+
+def _splittable(model: nn.Module, blocks: list[Block], names: Iterable[str]) -> tuple[Block, list[Block]] | None:
+    """The first of the groups ``names`` that is a block with blocks of its own, and those."""
+    by_path = {b.path: b for b in blocks}
+    for name in names:
+        block = by_path.get(name)
+        if block is not None and block.stack is not None and (subs := _sub_blocks(model, block)):
+            return block, subs
+    return None
+
+
+def _replaced(blocks: list[Block], block: Block, subs: list[Block]) -> list[Block]:
+    """``block`` split: what its sub-blocks leave (a block of no stack) and then its sub-blocks."""
+    at = blocks.index(block)
+    return blocks[:at] + [Block(block.path, None)] + subs + blocks[at + 1:]
+
+
+# layerwise with prefetch=1 holds at most its two largest groups on the device at once; split blocks until
+# those two are at most half the model (most transformers have many equal blocks and are never split)
+SPLIT_UNTIL_SHARE = 0.5
+
+
+def _split_dominant(model: nn.Module, blocks: list[Block], weights: list[Weight],
+                    stacks: tuple[str, ...]) -> list[Block]:
+    """``blocks`` with each block that dominates the model's bytes replaced by itself (what its sub-blocks
+    leave) and its own blocks, largest first: RegNet's last stage, DenseNet's third dense block, a UNet's
+    widest down block. Stops when the two largest groups are at most half the model or cannot be split."""
+    total = sum(w.nbytes for w in weights)
+    while True:
+        largest = sorted(_group_sizes(weights, blocks, stacks).items(), key=lambda kv: (-kv[1][1], kv[0]))[:2]
+        if sum(size for _, (_, size) in largest) <= SPLIT_UNTIL_SHARE * total:
+            return blocks
+        split = _splittable(model, blocks, (name for name, _ in largest))
+        if split is None:
+            return blocks
+        blocks = _replaced(blocks, *split)
+
+
+def _split_at_budget(model: nn.Module, blocks: list[Block], weights: list[Weight], stacks: tuple[str, ...],
+                     target: int) -> list[Block]:
+    """``blocks`` with the block at which ``budget`` reaches ``target`` streamed bytes (whole blocks, front to
+    back) split while it would overshoot the target by more than `BUDGET_SLACK` (MaxViT's last stage: its
+    first layer alone is over a quarter of the model)."""
+    while True:
+        streamed = 0
+        for name, (is_block, size) in _group_sizes(weights, blocks, stacks).items():
+            if is_block and streamed < target:
+                streamed += size
+                if streamed >= target:
+                    break
+        else:
+            return blocks  # the blocks end before the target: the other groups make it up
+        split = _splittable(model, blocks, [name]) if streamed > (1 + BUDGET_SLACK) * target else None
+        if split is None:
+            return blocks
+        blocks = _replaced(blocks, *split)
 
 
 def _outside_group(name: str, containers: Iterable[str]) -> str:
@@ -160,25 +346,38 @@ def _outside_group(name: str, containers: Iterable[str]) -> str:
     return _owner(name)
 
 
-def _block_of(name: str, containers: tuple[str, ...]) -> tuple[int, int] | None:
-    for ci, path in enumerate(containers):
-        if name.startswith(path + ".") or (not path and "." in name):  # "" is a root nn.Sequential
-            index = name[len(path) + 1 if path else 0:].split(".", 1)[0]
-            return ci, int(index) if index.isdigit() else 0
-    return None
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ROOT
 
 
-def _child_order(model: nn.Module, containers: tuple[str, ...]) -> dict[tuple[int, int], int]:
-    """Position of each block in its container (children of a ModuleList are numbered already)."""
-    order = {}
-    for ci, path in enumerate(containers):
-        for pos, (child, _) in enumerate(_resolve(model, path).named_children()):
-            order[(ci, int(child) if child.isdigit() else pos)] = pos
-    return order
+def _merged(run: list[tuple[Block, list[Weight]]]) -> GroupSpec:
+    """One group of consecutive blocks of one stack, named by the first and last (``blocks.0-3``)."""
+    first, last = run[0][0], run[-1][0]
+    if len(run) == 1:
+        name = first.path
+    else:
+        skip = len(first.stack) + 1 if first.stack else 0
+        name = f"{first.path}-{last.path[skip:]}"
+    return GroupSpec(name, tuple(w for _, ws in run for w in ws), True, True)
+
+
+def _block_groups(blocks: list[tuple[Block, list[Weight]]], per: int) -> list[GroupSpec]:
+    """Runs of ``per`` consecutive blocks of one stack become one group; a split block's rest is alone."""
+    groups: list[GroupSpec] = []
+    run: list[tuple[Block, list[Weight]]] = []
+    for block, ws in blocks:
+        if run and (block.stack is None or block.stack != run[0][0].stack or len(run) == per):
+            groups.append(_merged(run))
+            run = []
+        if block.stack is None:
+            groups.append(GroupSpec(block.path, tuple(ws), True, True))
+        else:
+            run.append((block, ws))
+    return groups + ([_merged(run)] if run else [])
 
 
 def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] | None = None) -> list[GroupSpec]:
-    """The weight groups of ``model`` under ``policy``, blocks in model order, then the other groups."""
+    """The weight groups of ``model`` under ``policy``: blocks in definition order, then the other groups."""
     weights = collect_weights(model) if weights is None else weights
     if not policy.offload_buffers:  # buffers are then left alone, on the compute device
         weights = [w for w in weights if not w.is_buffer]
@@ -190,35 +389,106 @@ def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] |
         groups = _by_key(weights, lambda w: _owner(w.name), is_block=False)
         return [dataclasses.replace(g, streamed=True) for g in groups]
 
-    containers = block_paths(model, policy)
-    if not containers and policy.strategy == "layerwise":
+    stacks = block_paths(model, policy)
+    if not stacks and policy.strategy == "layerwise":
         holders = [n for n, m in model.named_children() if _holds_weights(m)]
         raise ValueError(
-            f"layerwise offload needs the blocks of {type(model).__name__}: no nn.ModuleList of repeated "
-            f"blocks was found. Set the class attribute {BLOCKS_ATTR} = 'path.to.blocks' on "
-            f"{type(model).__name__} (or OffloadPolicy(blocks_attr=...)); its top-level modules holding "
+            f"layerwise offload needs the blocks of {type(model).__name__}: no stack of repeated blocks "
+            f"(nn.ModuleList, nn.Sequential) was found. Set the class attribute {BLOCKS_ATTR} = 'path.to.blocks' "
+            f"on {type(model).__name__} (or OffloadPolicy(blocks_attr=...)); its top-level modules holding "
             f"weights are {holders}")
-    order = _child_order(model, containers)
-    per = policy.blocks_per_group
-
-    def key(w: Weight) -> tuple[int, str]:
-        block = _block_of(w.name, containers)
-        if block is None:
-            return (1, _outside_group(w.name, containers))
-        ci, index = block
-        first = order.get((ci, index), 0) // per * per
-        last = min(first + per, sum(1 for c, _ in order if c == ci)) - 1
-        prefix = f"{containers[ci]}." if containers[ci] else ""
-        label = f"{prefix}{first}" if per == 1 or first == last else f"{prefix}{first}-{last}"
-        return (0, f"{ci:04d}:{first:08d}:{label}")
-
-    keyed: dict[tuple[int, str], list[Weight]] = {}
+    blocks = _split_dominant(model, _blocks_in(model, stacks), weights, stacks)
+    if policy.strategy == "budget" and policy.offload_bytes:
+        blocks = _split_at_budget(model, blocks, weights, stacks, policy.offload_bytes)
+    by_path = {b.path: b for b in blocks}
+    in_blocks: dict[str, tuple[Block, list[Weight]]] = {}  # by block path, in the order of their first weight
+    outside: dict[str, list[Weight]] = {}
     for w in weights:
-        keyed.setdefault(key(w), []).append(w)
-    blocks = [GroupSpec(k[1].split(":", 2)[2], tuple(ws), True, True)
-              for k, ws in sorted(keyed.items()) if k[0] == 0]
-    others = [GroupSpec(k[1], tuple(ws), True, False) for k, ws in keyed.items() if k[0] == 1]
-    return choose_streamed(blocks + others, policy)
+        block, name = _group_name(w, by_path, stacks)
+        if block is None:
+            outside.setdefault(name, []).append(w)
+        else:
+            in_blocks.setdefault(name, (block, []))[1].append(w)
+    groups = _block_groups(list(in_blocks.values()), policy.blocks_per_group)
+    groups += [GroupSpec(name, tuple(ws), True, False) for name, ws in outside.items()]
+    return choose_streamed(groups, policy)
+
+
+# -- what a plan saves, known before anything runs -------------------------------------------------------------
+
+BLOCK_STRATEGIES = ("layerwise", "budget")  # the strategies that group by blocks and stream a window of them
+HALF_THE_MODEL = 0.5
+BUDGET_SLACK = 0.25  # budget streams whole groups: up to this much more than offload_gb passes unremarked
+
+
+def peak_estimate(groups: Iterable, prefetch: int, carry: bool = False) -> int:
+    """Device weight bytes a block plan (layerwise, budget) holds at once, at most, before any graph is
+    captured: the resident groups and the ``prefetch`` + 1 largest streamed ones (the group computing and those
+    fetched ahead of it; with ``prefetch_next_call``, up to ``prefetch`` more carried for the next call).
+    ``groups`` are `GroupSpec`s or a runtime's groups. The verifier's peak replaces it once graphs exist."""
+    groups = list(groups)
+    streamed = sorted((g.nbytes for g in groups if g.streamed), reverse=True)
+    window = prefetch + 1 + (prefetch if carry else 0)
+    return sum(g.nbytes for g in groups if not g.streamed) + sum(streamed[:window])
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, stacks: tuple[str, ...] = (),
+                   unmanaged_bytes: int = 0) -> str | None:
+    """Why the block plan of ``model`` saves little, naming its largest group and the fix; None where it saves
+    what was asked. Layerwise: its estimated peak (`peak_estimate`) is above half the model. Budget: it streams
+    more than ``offload_gb`` by over a quarter (its groups are too coarse to stop near the budget). ``stacks``
+    are the block stacks in use (`block_paths`), which a suggested ``blocks_attr`` keeps."""
+    groups = list(groups)
+    total = sum(g.nbytes for g in groups) + unmanaged_bytes
+    streamed = [g for g in groups if g.streamed]
+    if not streamed or not total:
+        return None
+    name = type(model).__name__
+    if policy.strategy == "layerwise":
+        peak = peak_estimate(groups, policy.prefetch, policy.prefetch_next_call) + unmanaged_bytes
+        if peak <= HALF_THE_MODEL * total:
+            return None
+        problem = (f"layerwise keeps up to {peak / total:.0%} of {name}'s weights on the device at once "
+                   f"({_mib(peak)} of {_mib(total)} with prefetch={policy.prefetch})")
+    elif policy.strategy == "budget" and policy.offload_bytes:
+        moved = sum(g.nbytes for g in streamed)
+        if moved <= (1 + BUDGET_SLACK) * policy.offload_bytes:
+            return None
+        problem = (f"budget streams {_mib(moved)} ({moved / total:.0%} of {name}) where offload_gb={policy.offload_gb:g} "
+                   f"asked for {_mib(policy.offload_bytes)}")
+    else:
+        return None
+    largest = max(streamed, key=lambda g: g.nbytes)
+    return (f"{problem}: its largest streamed group, {largest.name!r}, holds {largest.nbytes / total:.0%} of the "
+            f"model. {_fix(model, largest.name, groups, policy, stacks, total)}")
+
+
+def _fix(model: nn.Module, group: str, groups: list, policy: OffloadPolicy, stacks: tuple[str, ...],
+         total: int) -> str:
+    """How to split ``group``: into its blocks where it merges several, along a stack inside it where it has
+    one; else say it is one piece, and what prefetch=0 would hold."""
+    try:
+        module = _submodule(model, group) if group != ROOT else None
+    except KeyError:  # not a module: several blocks merged ("blocks.0-3")
+        module = None
+    if module is None and policy.blocks_per_group > 1:
+        return f"Fix: blocks_per_group=1 streams its blocks one at a time (now {policy.blocks_per_group})."
+    inner = _discover(module, MODEL_STACKS) if module is not None else ()
+    if inner:
+        paths = tuple(dict.fromkeys((*stacks, *(_join(group, stack) for stack in inner))))
+        return (f"Fix: blocks_attr={paths!r} streams its parts one at a time (blocks_attr names the modules whose "
+                f"children are the blocks; blocks_per_group=1 keeps them apart).")
+    kind = type(module).__name__ if module is not None else "group"
+    alone = peak_estimate(groups, 0)
+    fewer = (f"; prefetch=0 would hold {alone / total:.0%} (one group at a time, copies no longer overlap compute)"
+             if policy.prefetch and alone <= HALF_THE_MODEL * total else "")
+    return (f"Fix: {group!r} (a {kind}) holds no stack of blocks to split it along: name smaller blocks with "
+            f"blocks_attr='path.to.blocks' where the model has them and keep blocks_per_group=1, or keep it on the "
+            f"device (strategy='budget' streams the rest){fewer}.")
 
 
 def _component_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight]) -> list[GroupSpec] | None:

@@ -44,11 +44,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dynamo import capture_config, compile_under_config, compiled_module_of, config_for_call, \
-    constant_while_tracing, guards_only_on, inlined_only, \
-    graph_breaks, graph_breaks_since, is_tracing_error, leave_fullgraph_region, model_error, \
-    module_being_compiled, own_refusal, restore_fullgraph_region, skipped_frames, static_shapes, symbolic_sizes, \
-    traced_module, user_frame
+from ._dynamo import capture_config, compile_under_config, compiled_models, compiled_module_of, config_for_call, \
+    constant_while_tracing, graph_breaks, graph_breaks_since, guards_only_on, inlined_only, is_tracing_error, \
+    leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, skipped_frames, static_shapes, \
+    symbolic_sizes, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -465,22 +464,23 @@ class _OffloadedForward:
         try:
             return compiled(*args, **kwargs)
         except Exception as exc:
-            refusal = own_refusal(exc)
-            if refusal is not None and refusal is not exc:
-                refusal.offload_trace = exc
-                raise refusal from None
-            error = model_error(exc) if is_tracing_error(exc) else None
-            if error is None:
-                raise
-            if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes
-                try:
-                    with static_shapes():
-                        return compiled(*args, **kwargs)
-                except Exception as again:
-                    static_error = model_error(again) if is_tracing_error(again) else None
-                    if static_error is not None:
-                        exc, error = again, static_error
-            raise self._input_error(error, exc, args, kwargs) from None
+            failure = exc
+        refusal = own_refusal(failure)
+        if refusal is not None and refusal is not failure:
+            refusal.offload_trace = failure
+            raise refusal from None
+        error = model_error(failure) if is_tracing_error(failure) else None
+        if error is None:
+            raise failure
+        if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes, outside
+            try:                        # the handler above, so that the retry's chain holds only its own errors
+                with static_shapes():
+                    return compiled(*args, **kwargs)
+            except Exception as again:
+                static_error = model_error(again) if is_tracing_error(again) else None
+                if static_error is not None:
+                    failure, error = again, static_error
+        raise self._input_error(error, failure, args, kwargs) from None
 
     def _input_error(self, error: BaseException, exc: BaseException, args: tuple, kwargs: dict) -> BaseException:
         """The model's own error while tracing it (a wrong input shape), short: the module and method, the
@@ -780,6 +780,22 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
             state.add_part(module)
 
 
+def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
+    """Route ``module.method`` through an offloaded graph of its own, as the forwards and entry methods are
+    (`register_offload_method`): one captured graph with the method's transfers, instead of each part it calls
+    run on its own, and a weight it reads directly (``x @ self.proj.weight``) fetched, not read from host."""
+    with state.lock:
+        state.check_usable()
+        if (module, method) in state.forwards:
+            return
+        if not inspect.ismethod(getattr(module, method, None)):
+            raise ValueError(f"{type(module).__name__}.{method} is not a method of the module; register_offload_method "
+                             f"takes the name of a method its class defines (forward is routed already)")
+        forward = _OffloadedForward(module, state, True, method)
+        state.forwards[(module, method)] = forward
+        module.__dict__[method] = forward
+
+
 def _weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` holding a weight of a group, and those containing them (the model itself not
     included); under ``auto`` before planning, every module holding a weight."""
@@ -944,14 +960,15 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
     if policy.strategy == "auto":
         raise ValueError("strategy='auto' plans before compiling: use offload_compiler.offload_compile(model, "
                          "OffloadPolicy(strategy='auto', device_budget_gb=...)) instead of torch.compile")
-    root = traced_module(gm)
+    root = model_holding(example_inputs)
     if root is None:
         raise OffloadRefusal(
-            "omni_offload could not find the nn.Module being compiled (its weights must be module parameters or "
-            "buffers); use offload_compiler.offload_compile(model, policy) instead")
+            "omni_offload offloads the nn.Module given to torch.compile (torch.compile(model, backend="
+            "'omni_offload')), whose parameters this graph reads; it found none holding them (a function was "
+            "compiled, or weights that are no module's parameters). Use offload_compiler.offload_compile(model, "
+            "policy) instead")
     state = state_of(root)
     if state is None:
-        _check_is_the_compiled_model(root)
         state = OffloadState(root, policy, build_runtime(root, policy, pack_now=False))
         root.__dict__[STATE_ATTR] = state
         return _AttachAtFirstRun(compile_graph(gm, example_inputs, state.runtime), state)
@@ -961,20 +978,19 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
     return compile_graph(gm, example_inputs, state.runtime)
 
 
-def _check_is_the_compiled_model(root: nn.Module) -> None:
-    """Dynamo hands the backend the graph of a frame it compiles; when it skips the model's own frame (its
-    recompile limit was met on that code object: transformers' forwards share one decorator's code; a graph
-    break dynamo cannot resume from), the graph is a submodule's, and offloading that would leave the rest of
-    the model reading host memory."""
-    model = module_being_compiled()
-    if model is not None and root is not model:
-        where = next((name for name, sub in model.named_modules() if sub is root), None)
-        raise OffloadRefusal(
-            f"torch.compile(model, backend='omni_offload') was given the graph of {type(root).__name__}"
-            f"{f' (model.{where})' if where else ''}, not of the {type(model).__name__} it compiles: dynamo skipped "
-            f"the model's own frame (a graph break it cannot resume from, or its recompile limit met on that code; "
-            f"TORCH_LOGS=recompiles,graph_breaks shows which). Nothing was offloaded. Offload the model itself: "
-            f"offload_compiler.offload_compile(model, OffloadPolicy(...))")
+def model_holding(example_inputs: list) -> nn.Module | None:
+    """The model compiled with ``torch.compile(model, backend="omni_offload")``: the module inside a live
+    ``torch.compile`` wrapper that holds every parameter among the graph's inputs, by identity. Where wrappers of
+    a model and of one of its parts both hold them, the part (the innermost) is the one whose call is compiled."""
+    params = {id(t) for t in example_inputs if isinstance(t, nn.Parameter)}
+    tensors = {id(t) for t in example_inputs if isinstance(t, torch.Tensor)}
+    found = []
+    for model in dict.fromkeys(compiled_models()):
+        held = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+        if params <= held and tensors & held:
+            found.append(model)
+    inner = [m for m in found if not any(o is not m and any(s is m for s in o.modules()) for o in found)]
+    return inner[0] if inner else None
 
 
 class _AttachAtFirstRun:

@@ -81,7 +81,9 @@ class OffloadPolicy:
     pin_memory:        pin host masters (one exact-size buffer per group) where an accelerator exists.
     compiler:          ``eager`` runs the rewritten graph as is; ``inductor`` compiles it.
     offload_buffers:   stream buffers with their group; set False to keep every buffer resident.
-    blocks_attr:       dotted path(s) of the block list; overrides ``_layerwise_offload_blocks_attr``.
+    blocks_attr:       dotted path(s) of the module(s) whose children are the blocks (a ModuleList, a
+                       Sequential with numbered or named children, ...); overrides
+                       ``_layerwise_offload_blocks_attr``.
     fullgraph:         ask dynamo for one graph (error on a graph break) in ``offload_compile``.
     debug_poison:      fill every evicted device copy with NaN (or the dtype's max) so that a read after
                        eviction shows in the output instead of silently reading stale memory.

@@ -464,6 +464,7 @@ class OffloadRuntime:
         self.group_remap: dict[int, int] | None = None  # per call: compiled group -> group of the weights passed
         self.unmanaged_bytes = 0  # weights in no group: they live on the compute device
         self.unmanaged_ids: set[int] = set()  # and which tensors those are
+        self.model_ref: Callable[[], object] | None = None  # a weak reference to the model (names in messages)
         self.ledger = Ledger()
         self.bytes_transferred = 0
         self.fetch_count = 0

@@ -1,6 +1,7 @@
 """Both entry points: `torch.compile(backend="omni_offload")` and `offload_compile`."""
 
 import copy
+import functools
 import subprocess
 import sys
 import textwrap
@@ -222,3 +223,51 @@ def test_inductor_never_recomputes_a_weight_reader_after_its_evict():
     new_gm, _, _ = rewrite_graph(gm, inputs, OffloadRuntime(policy, plan_groups(model, policy), pack_now=False))
     materialized = [n for n in new_gm.graph.nodes if n.target is torch.ops.offload_compiler.materialize.default]
     assert len(materialized) == 2  # the (1 + w) readers; the matmuls' readers need no copy
+
+
+def _wrapped(forward):
+    """A decorator of the kind transformers 5 puts on ``forward``: dynamo then sees the module as ``args[0]``."""
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return wrapper
+
+
+class WrappedForward(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    @_wrapped
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_the_backend_finds_a_model_with_a_wrapped_forward_by_its_weights():
+    model = WrappedForward().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        compiled = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu"})
+        assert torch.equal(compiled(x), expected)
+        reset_offload_stats(model)
+        assert torch.equal(compiled(x), expected)
+    stats = offload_stats(model)
+    assert isinstance(model, OffloadedModule) and stats.fetch_count == 3
+    assert stats.bytes_transferred == stats.streamed_bytes == stats.total_bytes > 0
+
+
+def test_the_backend_refuses_a_compiled_function_naming_offload_compile():
+    model = WrappedForward().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = torch.compile(lambda x: model(x), backend="omni_offload", options={"strategy": "layerwise",
+                                                                                   "device": "cpu"})
+    with pytest.raises(Exception, match=r"found none holding them.*offload_compile\(model, policy\)"):
+        with torch.no_grad():
+            compiled(torch.randn(2, 8))
+    assert type(model) is WrappedForward
+    assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())

@@ -34,6 +34,9 @@ def test_json_gives_the_plan_of_a_fixed_strategy_as_data(capsys):
     (graph,) = plan["graphs"]
     assert graph["fetches_per_call"] == len(plan["groups"])
     assert 0 < graph["predicted_peak_bytes"] <= plan["total_bytes"]
+    saving = plan["saving"]  # the device weight peak as a share of the model, from the verified plan
+    assert saving["verified"] and saving["device_weight_peak_bytes"] == graph["predicted_peak_bytes"]
+    assert saving["share_of_model"] == pytest.approx(graph["predicted_peak_bytes"] / plan["total_bytes"])
     assert "no accelerator" in report["pinning"]
 
 
@@ -42,6 +45,7 @@ def test_text_plan_says_why_nothing_is_pinned_and_plots_any_strategy(tmp_path, c
     assert main(PLAN_LLAMA + ["--plots", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "pinned=False" in captured.out
+    assert "device weight peak" in captured.out and "of the model (verified over the captured graphs)" in captured.out
     assert "pin_memory=True but pinned=False: the compute device is the cpu (no accelerator)" in captured.out
     assert (tmp_path / "residency.png").stat().st_size > 0 and f"saved {tmp_path / 'residency.png'}" in captured.err
 

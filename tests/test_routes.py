@@ -352,3 +352,40 @@ def test_remove_offload_gives_every_weight_its_strides_back():
     assert {name: p.stride() for name, p in plain.named_parameters()} == strides
     assert plain.blocks[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert all(torch.equal(p, values[name]) for name, p in plain.named_parameters())
+
+
+class _WithOwnMethod(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.proj(x)
+
+    def project(self, x):  # reads a weight directly, not through a module call
+        return torch.relu(self.blocks[0](x)) @ self.proj.weight.T
+
+
+def test_a_registered_method_runs_as_one_offloaded_graph_fetching_what_it_reads():
+    from offload_compiler import register_offload_method
+    model = _WithOwnMethod().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model.project(x)
+    m = offload_compile(model, OffloadPolicy(strategy="sequential", device="cpu", prefetch=0))
+    register_offload_method(m, "project")
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m.project(x), expected)
+    stats = offload_stats(m)
+    held = {g.name: g.nbytes for g in m._offload_runtime.groups}
+    assert stats.bytes_transferred == held["blocks.0"] + held["proj"]  # proj.weight fetched, read as a tensor
+    with pytest.raises(ValueError, match="not a method"):
+        register_offload_method(m, "blocks")
+    with pytest.raises(ValueError, match="no part 'nothing'"):
+        register_offload_method(m, "nothing.forward")
