@@ -281,6 +281,8 @@ class OffloadedModule(nn.Module):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the offloaded weights' host masters; "
                              "use assign=False (the default), which copies into them")
+        if self._offload.runtime is not None:  # copies still queued may read the host buffers written here
+            self._offload.runtime.wait_for_copies()
         return super().load_state_dict(state_dict, strict=strict)
 
 

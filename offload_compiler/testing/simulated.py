@@ -173,12 +173,16 @@ class _Access:
 
 class _InFlight:
     """A non_blocking copy from host memory, which on hardware reads its source when its stream gets there."""
-    __slots__ = ("block", "start", "end", "source", "snapshot", "stream", "tick")
+    __slots__ = ("block", "start", "end", "source", "snapshot", "stream", "tick", "read")
 
     def __init__(self, block, start, end, source, stream, tick) -> None:
         self.block, self.start, self.end, self.source = block, start, end, source
         self.snapshot = source.clone()
         self.stream, self.tick = stream, tick
+        self.read = False  # its result was read: from then on, a change of its source is a wrong result
+
+    def changed(self) -> bool:
+        return not torch.equal(self.source, self.snapshot)
 
 
 class _Capture:
@@ -269,11 +273,24 @@ class _Checker:
             self.accesses[address] = [_Access(address, address + nbytes, True, stream.id, tick, "its allocation")]
             bisect.insort(self.bases, address)
             self.sizes[address] = nbytes
-        weakref.finalize(block, self._released, address, nbytes)
+        weakref.finalize(block, self._released, address, nbytes, stream)
         return block, address
 
-    def _released(self, address: int, nbytes: int) -> None:
+    def _released(self, address: int, nbytes: int, owner: Stream) -> None:
+        """The caching allocator's rule, at the free: the block goes back to the stream it was allocated on,
+        which may reuse it at once; work of another stream on it must be ordered before that stream's next
+        work, or known finished by the host (``record_stream``'s purpose). Found in a finalizer, where
+        raising is impossible: raised at the next op."""
         with self.lock:
+            for a in self.accesses.get(address, ()):
+                if (a.stream != owner.id and owner.clock.get(a.stream, 0) < a.tick
+                        and self.host.get(a.stream, 0) < a.tick):
+                    self.pending.append(
+                        f"a {nbytes}-byte device block allocated on stream {owner.id} was freed while {a.what} on "
+                        f"stream {a.stream} (its op {a.tick}) may still be running: the allocator hands it to "
+                        f"stream {owner.id}'s next allocation at once (wait on stream {a.stream}, or synchronize it, "
+                        f"before dropping the last reference)")
+                    break
             self.allocated -= nbytes
             self.accesses.pop(address, None)
             self.sizes.pop(address, None)
@@ -302,8 +319,8 @@ class _Checker:
             self._note(stream, tick, address, start, end, False, what)
         for address, start, end in writes:
             self._note(stream, tick, address, start, end, True, what)
-            if self.in_flight:
-                self.in_flight = [c for c in self.in_flight if not (
+            if self.in_flight:  # a copy overwritten before anything read it can no longer do harm
+                self.in_flight = [c for c in self.in_flight if c.read or not (
                     c.block == address and start <= c.start and c.end <= end)]
 
     def _check(self, stream: Stream, address: int, start: int, end: int, write: bool, what: str) -> None:
@@ -335,12 +352,24 @@ class _Checker:
 
     def _check_host_source(self, stream: Stream, address: int, start: int, end: int, what: str) -> None:
         for c in self.in_flight:
-            if c.block == address and c.start < end and start < c.end and not torch.equal(c.source, c.snapshot):
-                raise OrderingViolation(
-                    f"{what} on stream {stream.id} reads the result of a non_blocking copy from host memory that "
-                    f"the host changed before it knew the copy had finished (no synchronize of stream "
-                    f"{c.stream}'s work, or of an event recorded after the copy): the copy may read old, new or "
-                    f"mixed bytes")
+            if c.block == address and c.start < end and start < c.end:
+                c.read = True
+                if c.changed():
+                    raise self._host_write_violation(c, f"{what} on stream {stream.id} reads its result")
+
+    def check_host_sources(self) -> None:
+        """Copies whose results were read: their sources must not change until the host knows they finished
+        (the device may run the copy after the host's write, and the reader then saw the new bytes)."""
+        for c in self.in_flight:
+            if c.read and c.changed():
+                raise self._host_write_violation(c, "its result was read")
+
+    def _host_write_violation(self, c: _InFlight, how: str) -> OrderingViolation:
+        self.in_flight.remove(c)
+        return OrderingViolation(
+            f"the host changed the source of a non_blocking copy to the device (stream {c.stream}, its op "
+            f"{c.tick}) before it knew the copy had finished, and {how}: the device may copy old, new or mixed "
+            f"bytes (synchronize the copy's stream, or an event recorded after it, before writing its source)")
 
     def copied_from_host(self, stream: Stream, tick: int, address: int, start: int, end: int,
                          source: torch.Tensor) -> None:
@@ -468,6 +497,8 @@ def _kernel(op, *args, **kwargs):
     checker = _checker()
     with checker.lock:
         checker.raise_pending()
+        if checker.in_flight:
+            checker.check_host_sources()
         if _metadata_only(op):  # metadata only: torch's CPU kernel works on the device tensor itself
             return op.redispatch(_CPU_KEYS, *args, **kwargs)
         if op in _FACTORIES_WITHOUT_DATA:
@@ -483,8 +514,6 @@ def _kernel(op, *args, **kwargs):
         prepared = _Args(checker, op, args, kwargs)
         tick = checker.tick(stream)
         checker.access(stream, tick, str(op), prepared.reads, prepared.writes)
-        if checker.capture is not None and stream.id in checker.capture.streams:
-            checker.capture.ops.append((op, args, kwargs))
         if prepared.copy and op is not torch.ops.aten.copy_.default:  # no CPU kernel: the copy itself
             src, dst = prepared.args[0], prepared.args[1]
             if op is torch.ops.aten._copy_from_and_resize.default and dst.shape != src.shape:
@@ -495,7 +524,10 @@ def _kernel(op, *args, **kwargs):
             result = op(*prepared.args, **prepared.kwargs)
             prepared.finish_outs()
         _after_copy(checker, op, prepared, args, kwargs, stream, tick)
-        return _outputs(checker, op, result, prepared, stream)
+        result = _outputs(checker, op, result, prepared, stream)
+        if checker.capture is not None and stream.id in checker.capture.streams:
+            checker.capture.ops.append((op, args, kwargs, result))
+        return result
 
 
 def _after_copy(checker: _Checker, op, prepared: _Args, args, kwargs, stream: Stream, tick: int) -> None:
@@ -625,11 +657,18 @@ class Graph:
         self.ops: list[tuple] = []
 
     def replay(self) -> None:
-        checker = _checker()
-        for op, args, kwargs in self.ops:
-            with checker.lock:
-                result = _kernel(op, *args, **kwargs)
-            del result
+        for op, args, kwargs, captured in self.ops:
+            _refill(captured, _kernel(op, *args, **kwargs))
+
+
+def _refill(captured: Any, fresh: Any) -> None:
+    """A replayed op's results into the tensors the captured op returned (later ops read those)."""
+    if isinstance(captured, torch.Tensor) and isinstance(fresh, torch.Tensor):
+        if fresh is not captured and captured.device.type == NAME:
+            host_view(captured).copy_(host_view(fresh))
+    elif isinstance(captured, (list, tuple)):
+        for c, f in zip(captured, fresh):
+            _refill(c, f)
 
 
 @contextlib.contextmanager
