@@ -308,3 +308,12 @@ def test_a_tiny_llama_generates_as_on_the_cpu():
     m = offload_compile(copy.deepcopy(model).eval(), _policy(prefetch=1))
     got = m.generate(ids.to(DEVICE), max_new_tokens=3, do_sample=False)
     assert torch.equal(got.cpu(), expected)
+
+
+def test_omni_offload_refuses_a_mode_it_would_ignore():
+    """Defect 12: ``mode="reduce-overhead"`` reached the backend's ``**_`` and was silently dropped."""
+    model, x = _model()
+    compiled = torch.compile(copy.deepcopy(model).eval(), backend="omni_offload", mode="reduce-overhead",
+                             dynamic=False)
+    with pytest.raises(Exception, match="takes no mode"):
+        compiled(x)
