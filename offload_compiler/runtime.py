@@ -6,6 +6,7 @@ Everything that changes while a model runs lives in `OffloadRuntime`. The graph'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -520,15 +521,15 @@ def _finalize(copy_streams: list, registrations: HostRegistrations | None) -> No
         registrations.unregister_all()
 
 
-def _trace_on_device(device: torch.device) -> None:
-    """Dynamo traces an offloaded model with its weights in host memory and its inputs on the compute device;
-    fake tensors refuse that mix (a device mismatch) unless the device is preferred. The weights never meet
-    the device's inputs when the rewritten graph runs (they are fetched), so that is what tracing assumes. Set
-    for the process once an offloaded model computes on an accelerator, unless something else chose."""
+def tracing_on(device: torch.device):
+    """Entered while dynamo captures an offloaded model outside `_dynamo.compile_under_config` (``auto``'s
+    planning capture): its weights are in host memory and its inputs on the compute device, a mix fake tensors
+    refuse unless the device is preferred; the rewritten graph fetches the weights, so that is what tracing
+    assumes. Only while capturing: elsewhere the mix must still fail (tests/test_fake_cuda.py)."""
     config = getattr(torch._functorch, "config", None)
-    if (is_accelerator(device) and config is not None and hasattr(config, "fake_tensor_prefer_device_type")
-            and config.fake_tensor_prefer_device_type is None):
-        config.fake_tensor_prefer_device_type = device.type
+    if not is_accelerator(device) or not hasattr(config, "fake_tensor_prefer_device_type"):
+        return contextlib.nullcontext()
+    return config.patch(fake_tensor_prefer_device_type=device.type)
 
 
 class OffloadRuntime:
@@ -544,7 +545,6 @@ class OffloadRuntime:
         if policy.pin_memory and not self.pinned and is_accelerator(self.device):
             log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", self.device)
         self.streams = stream_module(self.device)  # the device module whose streams and events order copies
-        _trace_on_device(self.device)
         unpackable = overlapping([leaf_at(w.tensor, path) for spec in specs for w in spec.weights
                                   for path in leaf_paths(w.tensor)])
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]

@@ -20,7 +20,7 @@ from .costmodel import DeviceRates, build_table
 from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from ..policy import OffloadPolicy
-from ..runtime import OffloadRuntime, synchronize
+from ..runtime import OffloadRuntime, synchronize, tracing_on
 
 BLOCKS_PER_GROUP_CANDIDATES = (1, 2, 4)
 WARMUP_CALLS = 2  # the first compiles, the second still pays lazy initialisation
@@ -194,8 +194,9 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
     if policy.strategy != "auto":
         raise ValueError(f"plan_offload plans strategy='auto'; got strategy={policy.strategy!r}")
     budget, source = resolve_budget(policy)
-    gm, example_inputs = capture_graph(type(model).forward.__get__(model), args, kwargs, type(model).__name__)
-    rates = device_rates(policy.torch_device, policy.compiler)
+    with tracing_on(policy.torch_device):  # host weights, device inputs (the model's; calibration's probes)
+        gm, example_inputs = capture_graph(type(model).forward.__get__(model), args, kwargs, type(model).__name__)
+        rates = device_rates(policy.torch_device, policy.compiler)
     n_blocks = sum(1 for g in plan_groups(model, policy.replace(blocks_per_group=1)) if g.is_block)
     best: tuple[CostTable, Solution] | None = None
     candidates: dict[int, float | None] = {}

@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import functools
 import itertools
 import threading
 import types
@@ -57,7 +58,7 @@ _DL_CPU, _DL_EXT_DEV = 1, 12  # DLPack device types: host memory, an out-of-tree
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _INSTALL_LOCK = threading.Lock()
 _installed: str | None = None
-_LIBRARY = None
+_LIBRARY = _ATEN = None  # torch.library registrations, kept for the process
 
 
 class OrderingViolation(RuntimeError):
@@ -715,6 +716,19 @@ def _module() -> types.ModuleType:
     return mod
 
 
+# ops that make a device tensor from host data: ``torch.tensor(data, device=...)`` runs them with the Python key
+# excluded (under a fake mode: inside dynamo's trace), where torch's trampoline for a fallback written in Python
+# fails to find the op ("func != nullptr"); a kernel registered for the op itself is found
+_DIRECT_OPS = ("empty.memory_format", "empty_strided", "copy_", "_copy_from", "_copy_from_and_resize", "lift_fresh")
+
+
+def _register_direct(library: torch.library.Library) -> None:
+    for name in _DIRECT_OPS:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        library.impl(op, functools.partial(_kernel, op), "PrivateUse1")
+
+
 class _DeviceGuard(torch._C._acc.DeviceGuard):
     def type_(self):
         return torch._C._autograd.DeviceType.PrivateUse1
@@ -725,7 +739,7 @@ def simulated_device() -> str:
 
     It takes torch's PrivateUse1 backend for the rest of the process: a process that already renamed it for
     a real out-of-tree device (an Ascend NPU, say) cannot have both."""
-    global _installed, _CHECKER, _LIBRARY
+    global _installed, _CHECKER, _LIBRARY, _ATEN
     with _INSTALL_LOCK:
         if _installed is None:
             taken = torch._C._get_privateuse1_backend_name()
@@ -738,6 +752,8 @@ def simulated_device() -> str:
                 torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
                 _LIBRARY = torch.library.Library("_", "IMPL")  # kept for the process: it holds the registration
                 _LIBRARY.fallback(_kernel, "PrivateUse1")
+                _ATEN = torch.library.Library("aten", "IMPL")
+                _register_direct(_ATEN)
                 # ops with a device guard need one for the key (one device: it has nothing to switch)
                 torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
             _CHECKER = _Checker()
