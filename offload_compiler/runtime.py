@@ -252,6 +252,7 @@ class DeviceSlot:
         self.group: int | None = None
         self._buffers: list[torch.Tensor] | None = None
         self.ready = self.free = None  # events, made with the buffers
+        self.filled_in_capture = False  # its copy is a node of a captured graph: it exists only after a replay
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
         self._leaf_views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its plain leaves over the buffers
 
@@ -545,6 +546,7 @@ class OffloadRuntime:
         if policy.pin_memory and not self.pinned and is_accelerator(self.device):
             log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", self.device)
         self.streams = stream_module(self.device)  # the device module whose streams and events order copies
+        self.captured = False  # a copy was issued inside a graph capture (see `_copy_on_stream`)
         unpackable = overlapping([leaf_at(w.tensor, path) for spec in specs for w in spec.weights
                                   for path in leaf_paths(w.tensor)])
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
@@ -640,10 +642,16 @@ class OffloadRuntime:
         copy stream into the capture); compute waits on ``ready``."""
         streams = self.streams
         stream = self._stream()
-        if is_capturing(streams):
+        capturing = is_capturing(streams)
+        self.captured |= capturing
+        if self.captured:
+            # once a graph was captured, its replays (launched by the caller, unseen here) read and write slots
+            # between our calls, and events recorded inside the capture are nodes of its graph, not records:
+            # ``free`` no longer orders a refill after every reader, so the copy waits for all work issued
             stream.wait_stream(streams.current_stream(self.device))
         else:
             stream.wait_event(slot.free)
+        slot.filled_in_capture = capturing
         with streams.stream(stream):
             for buf, bucket in zip(slot.buffers, group.buckets):
                 buf.copy_(bucket.source(), non_blocking=True)
@@ -745,17 +753,23 @@ class OffloadRuntime:
         group = self._actual(group)
         g = self.groups[group]
         slot = self._slot_of[key]
+        # inside a graph capture, copies made before it cannot be waited for (their events were recorded outside
+        # it), and a copy for the next call would fork the copy stream out of the capture without a join: a
+        # captured call copies what it reads, and carries nothing. Nor does any call after a capture: replays
+        # (unseen here) write the same slots on the compute stream while a carried copy would be in flight
+        capturing = self.streams is not None and is_capturing(self.streams)
         if mode == CARRY:
-            if self.group_remap is None and self._carry_misses.get(key, 0) < CARRY_MISSES_TO_STOP:
+            if (not capturing and not self.captured and self.group_remap is None
+                    and self._carry_misses.get(key, 0) < CARRY_MISSES_TO_STOP):
                 self._carried[key] = Carried(group, self._stamp(g), self._fill(slot, g))
             return
-        if mode == ADOPT and self._adopt(key, g):
+        if mode == ADOPT and not capturing and self._adopt(key, g):
             return
         if g.exclusive:  # alternating: other components leave before this one arrives
             for other in [o for o in self._parked if o != group]:
                 self._unpark(other)
         parked = self._parked.pop(group, None)
-        if parked is not None and parked[0] is slot and parked[1] == self._stamp(g):
+        if parked is not None and parked[0] is slot and parked[1] == self._stamp(g) and not capturing:
             self._pending[key] = slot
             return
         if parked is not None:
@@ -824,7 +838,8 @@ class OffloadRuntime:
         if self._faults:
             self._maybe_fail("evict", group)
         slot = self._live.pop(group)
-        if park:  # latency-minimising: stays on the device until another component needs the room
+        if park and not slot.filled_in_capture:  # latency-minimising: stays on the device until another
+            # component needs the room (not a copy a capture made: it exists only when the graph replays)
             self._parked[group] = (slot, self._stamp(self.groups[group]))
             return
         if poison and self.policy.debug_poison:
@@ -880,7 +895,7 @@ class OffloadRuntime:
         g = self.groups[group]
         held = self._resident.get(group)
         stamp = self._stamp(g)
-        if held is None or held[1] != stamp:
+        if held is None or held[1] != stamp or (held[0].filled_in_capture and not is_capturing(self.streams)):
             slot = held[0] if held is not None else DeviceSlot(size_class(g), self.device, -1, self.streams)
             if held is not None:
                 self._release(slot)

@@ -299,6 +299,28 @@ def test_a_captured_forward_replays_the_stream():
     torch.testing.assert_close(out.cpu(), _plain(model, x * 2))
 
 
+@pytest.mark.parametrize("carry", [False, True])
+def test_capture_after_carried_copies_and_eager_calls_between_replays(carry):
+    """Defects 2 and 3: a captured call must not wait on copies made before the capture (events recorded
+    outside it) nor fork the copy stream for a next call; eager calls after it must be ordered after replays
+    the runtime never sees (events recorded inside a capture are graph nodes, not records)."""
+    model, x = _model()
+    m = offload_compile(copy.deepcopy(model).eval(), _policy(prefetch=1, prefetch_next_call=carry))
+    xd = x.to(DEVICE)
+    m(xd)
+    m(xd)  # with carry: copies for the next call are in flight when the capture begins
+    g = sim.Graph()
+    with sim.graph(g):
+        captured = m(xd)
+    eager = m(xd)
+    xd.copy_(x * 2)
+    g.replay()
+    after_replay = m(xd)
+    torch.testing.assert_close(eager.cpu(), _plain(model, x))
+    torch.testing.assert_close(captured.cpu(), _plain(model, x * 2))
+    torch.testing.assert_close(after_replay.cpu(), _plain(model, x * 2))
+
+
 @pytest.mark.slow
 def test_a_tiny_llama_generates_as_on_the_cpu():
     from offload_compiler.testing.models import llama

@@ -142,7 +142,10 @@ class Event:
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.clock: dict[int, int] | None = None  # None: never recorded (waiting on it is a no-op, as in CUDA)
-        self.capture: int | None = None  # the capture it was recorded in
+        # a record inside a capture is a node of the graph, not a record of the event: waits inside that capture
+        # see it, eager waits after it still see the last eager record (stale, as on CUDA)
+        self.capture: int | None = None
+        self.captured_clock: dict[int, int] | None = None
 
     def record(self, stream: Stream | None = None) -> None:
         _checker().record(stream if stream is not None else current_stream(), self)
@@ -222,24 +225,30 @@ class _Checker:
     def record(self, stream: Stream, event: Event) -> None:
         with self.lock:
             self.streams.setdefault(stream.id, stream)
-            event.clock = dict(stream.clock)
             capture = self.capture
-            event.capture = capture.index if capture is not None and stream.id in capture.streams else None
+            if capture is not None and stream.id in capture.streams:
+                event.capture, event.captured_clock = capture.index, dict(stream.clock)
+            else:
+                event.clock = dict(stream.clock)
 
     def wait(self, stream: Stream, event: Event) -> None:
         with self.lock:
-            if event.clock is None:
-                return
             capture = self.capture
-            if capture is not None and stream.id in capture.streams and event.capture != capture.index:
+            in_capture = capture is not None and event.capture == capture.index
+            if capture is not None and stream.id in capture.streams and not in_capture:
+                if event.clock is None:
+                    return
                 raise OrderingViolation(
                     f"stream {stream.id} waits, inside a graph capture, on an event recorded outside it "
                     f"(cudaErrorStreamCaptureIsolation): record the event inside the capture, or order the work "
                     f"before the capture begins")
-            if capture is not None and event.capture == capture.index and stream.id not in capture.streams:
+            clock = event.captured_clock if in_capture else event.clock
+            if clock is None:
+                return
+            if in_capture and stream.id not in capture.streams:
                 capture.streams[stream.id] = stream  # a fork: the stream joins the capture
                 capture.last_tick.setdefault(stream.id, stream.clock[stream.id])
-            for sid, t in event.clock.items():
+            for sid, t in clock.items():
                 if stream.clock.get(sid, 0) < t:
                     stream.clock[sid] = t
 
