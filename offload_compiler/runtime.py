@@ -936,7 +936,8 @@ class OffloadRuntime:
 
     def release_device_copies(self) -> int:
         """Drop every device copy held between calls (resident groups, parked components, copies carried for
-        the next call); the next call fetches what it needs again. Returns the bytes released."""
+        the next call) and the slot pool's memory; the next call fetches what it needs again (a graph captured
+        before must be captured again: its slots' addresses are gone). Returns the bytes of copies released."""
         with self.lock:
             freed = self.release_carried() + sum(self.groups[g].nbytes for g in {*self._resident, *self._parked})
             self.release_resident()
