@@ -73,12 +73,33 @@ def short_reason(text: str) -> str:
     return " ".join(lines[:1] + hints)
 
 
-def capture_config():
+def capture_config(device_type: str | None = None):
     """Raised recompile limits, and the logging methods traced as no-ops: a ``logger.warning_once`` inside a
     model's layer loop (transformers' sdpa attention asked for ``output_attentions``) is otherwise a graph
-    break inside a loop, and dynamo runs that frame without a graph, reading the weights from host memory."""
-    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT,
-                                      ignore_logging_functions=_logging_methods())
+    break inside a loop, and dynamo runs that frame without a graph, reading the weights from host memory.
+    With the compute device's type (an accelerator): fake tensors prefer that device where host weights meet
+    device inputs (the rewritten graph fetches the weights; fake tensors would refuse the mix)."""
+    patch = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT,
+                                       ignore_logging_functions=_logging_methods())
+    functorch = getattr(torch._functorch, "config", None)
+    if device_type in (None, "cpu") or not hasattr(functorch, "fake_tensor_prefer_device_type"):
+        return patch
+    return _Patches(patch, functorch.patch(fake_tensor_prefer_device_type=device_type))
+
+
+class _Patches:
+    """Config patches entered together, as often as needed (each patch object is reusable)."""
+
+    def __init__(self, *patches: Any) -> None:
+        self._patches = patches
+
+    def __enter__(self) -> None:
+        for patch in self._patches:
+            patch.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for patch in reversed(self._patches):
+            patch.__exit__(*exc)
 
 
 def compile_under_config(function: Callable, **options: Any) -> Callable:
@@ -109,7 +130,8 @@ def compile_under_config(function: Callable, **options: Any) -> Callable:
     patch around the whole call, as it does when this torch's structure is not recognized here (the function is
     then compiled exactly as ``torch.compile`` makes it)."""
     compiled = torch.compile(function, **options)
-    if _install_config(compiled):
+    device = getattr(options.get("backend"), "device", None)  # a RuntimeBackend's compute device
+    if _install_config(compiled, getattr(device, "type", None)):
         compiled.__dict__[_CONFIG_IN_COMPILES] = True
     return compiled
 
@@ -138,7 +160,7 @@ def _default_stance() -> bool:
         return False
 
 
-def _install_config(compiled: Callable) -> bool:
+def _install_config(compiled: Callable, device_type: str | None = None) -> bool:
     """Put `capture_config` around the frame converter of ``compiled`` (see `compile_under_config`); False, with
     nothing changed, where this torch's structure is not the one described there."""
     catch_errors = getattr(_convert_frame, "CatchErrorsWrapper", None)
@@ -156,7 +178,7 @@ def _install_config(compiled: Callable) -> bool:
             and isinstance(callback.__dict__.get("_torchdynamo_orig_backend"), _CONVERTERS)):
         return False
     converter = callback._torchdynamo_orig_backend
-    wrapped = _ConfigDuringCompile(converter, capture_config())
+    wrapped = _ConfigDuringCompile(converter, capture_config(device_type))
     if _eval_frame.innermost_backend(wrapped) is not _eval_frame.innermost_backend(converter):
         return False
     callback._torchdynamo_orig_backend = wrapped

@@ -107,6 +107,7 @@ class RuntimeBackend:
     def __init__(self, runtime: OffloadRuntime) -> None:
         self._runtime = weakref.ref(runtime)
         self.__name__ = f"offload_backend_{runtime.id}"
+        self.device = runtime.device  # the compute device: dynamo traces host weights with inputs there
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
         return compile_graph(gm, example_inputs, self._runtime())

@@ -297,6 +297,8 @@ class OffloadedModule(nn.Module):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the offloaded weights' host masters; "
                              "use assign=False (the default), which copies into them")
+        if self._offload.runtime is not None:  # copies still queued may read the host buffers written here
+            self._offload.runtime.wait_for_copies()
         return super().load_state_dict(state_dict, strict=strict)
 
 
@@ -950,12 +952,17 @@ def detach(state: OffloadState) -> Any:
 
 # -- torch.compile(model, backend="omni_offload") ------------------------------------------------------------
 
-def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_: Any):
+def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, mode: str | None = None,
+                 **_: Any):
     """``torch.compile(model, backend="omni_offload", options={"strategy": ..., ...} | {"policy": policy})``.
 
     The first graph offloads the model in place (as `offload_compile` would, with packing deferred to the
     first fetch: this graph was traced over the unpacked weights); from then on every call of the model —
     the compiled wrapper, ``generate()``, the object itself — runs its offloaded forward."""
+    if mode not in (None, "default"):  # torch.compile passes its mode on to a backend that is not inductor
+        raise ValueError(f"torch.compile(..., backend='omni_offload', mode={mode!r}): omni_offload takes no mode; it "
+                         f"compiles with options={{'compiler': ...}}. CUDA graphs: capture the offloaded forward "
+                         f"by hand (torch.cuda.graph)")
     policy = OffloadPolicy.from_options(options)
     if policy.strategy == "auto":
         raise ValueError("strategy='auto' plans before compiling: use offload_compiler.offload_compile(model, "

@@ -6,6 +6,7 @@ Everything that changes while a model runs lives in `OffloadRuntime`. The graph'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -181,20 +182,77 @@ class Ledger:
         self.peak = self.live
 
 
+def is_accelerator(device: torch.device) -> bool:
+    """A compute device that is not the host: its memory is not host memory, copies to it are transfers."""
+    return device.type != "cpu"
+
+
+def stream_module(device: torch.device):
+    """The device module (``torch.cuda``, ``torch.xpu``, ``torch.npu``, a simulated device's...) whose streams and
+    events the runtime's copies use, or None where the device has none (the CPU; MPS, which has no streams):
+    copies are then issued in order on the one queue."""
+    if not is_accelerator(device):
+        return None
+    try:
+        module = torch.get_device_module(device)
+    except (RuntimeError, AttributeError):
+        return None
+    needed = ("Stream", "Event", "current_stream", "stream")
+    return module if all(hasattr(module, name) for name in needed) else None
+
+
+def is_capturing(module) -> bool:
+    """Whether the current stream is being captured into a graph (CUDA graphs and their likes)."""
+    check = getattr(module, "is_current_stream_capturing", None)
+    return bool(check is not None and check())
+
+
+def synchronize(device: torch.device) -> None:
+    """The host waits for the device's work (timing a call): through the device's own module, never
+    ``torch.cuda`` for another device; nothing on the CPU, and nothing inside a graph capture, where a host
+    synchronisation is illegal (the capture's work runs at replay)."""
+    module = stream_module(device)
+    if module is not None and hasattr(module, "synchronize") and not is_capturing(module):
+        module.synchronize(device)
+
+
+def can_pin(device: torch.device) -> bool:
+    """Whether host memory can be pinned for ``device``: CUDA (and ROCm, which torch calls cuda) through
+    ``cudaHostRegister``; another accelerator through ``pin_memory()`` where it is torch's current accelerator
+    (XPU, NPU, MPS builds). Elsewhere (a simulated device) host buffers stay pageable."""
+    if device.type == "cuda":
+        return True
+    if not is_accelerator(device) or not hasattr(torch, "accelerator"):
+        return False
+    current = torch.accelerator.current_accelerator()
+    return current is not None and current.type == device.type and _pin_memory_works(device.type)
+
+
+@functools.cache
+def _pin_memory_works(device_type: str) -> bool:
+    """Tried once per device type: a backend may register as the accelerator without pinned memory."""
+    try:
+        return torch.empty(1).pin_memory().is_pinned()
+    except RuntimeError:
+        return False
+
+
 class DeviceSlot:
     """Fixed device memory for one group copy: one flat buffer per bucket of its size class, allocated once.
     ``group`` is the group whose copy is in it (None when free); a fetch creates no tensor (the graph views
-    the weights over the buffers). On CUDA, ``ready`` is recorded on the copy stream after a fill
-    (compute waits on it) and ``free`` on the compute stream after an evict (the next fill waits on it)."""
+    the weights over the buffers). On a device with streams, ``ready`` is recorded on the copy stream after a
+    fill (compute waits on it) and ``free`` on the compute stream after an evict (the next fill waits on it)."""
 
-    def __init__(self, size_class: tuple, device: torch.device, index: int) -> None:
+    def __init__(self, size_class: tuple, device: torch.device, index: int, streams=None) -> None:
         self.size_class = size_class
         self.index = index
         self.device = device
+        self.streams = streams  # the device module (`stream_module`), None without streams
         self.nbytes = sum(numel * dtype.itemsize for numel, dtype in size_class)
         self.group: int | None = None
         self._buffers: list[torch.Tensor] | None = None
-        self.ready = self.free = None  # CUDA events, made with the buffers
+        self.ready = self.free = None  # events, made with the buffers
+        self.filled_in_capture = False  # its copy is a node of a captured graph: it exists only after a replay
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
         self._leaf_views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its plain leaves over the buffers
 
@@ -206,9 +264,20 @@ class DeviceSlot:
             with torch.inference_mode(False):  # ordinary tensors, whichever mode the first call ran in
                 self._buffers = [torch.empty(numel, dtype=dtype, device=self.device)
                                  for numel, dtype in self.size_class]
-            if self.device.type == "cuda":
-                self.ready, self.free = torch.cuda.Event(), torch.cuda.Event()
+            if self.streams is not None:
+                self.ready, self.free = self.streams.Event(), self.streams.Event()
+                # the caching allocator may have handed the allocating stream memory its queued work still
+                # reads: the first fill (on the copy stream, which waits on ``free``) must come after that work
+                self.free.record(self.streams.current_stream(self.device))
         return self._buffers
+
+    def drop_buffers(self) -> None:
+        """Give the slot's device memory back (`OffloadRuntime.release_device_copies`); the next fill
+        allocates it again. The caller has ordered every stream's work on it before this point."""
+        self._buffers = None
+        self._views.clear()
+        self._leaf_views.clear()
+        self.ready = self.free = None
 
     def leaves(self, group: "Group") -> tuple[torch.Tensor, ...]:
         """Each plain leaf of ``group`` (in `Group.leaves` order) over this slot's buffers with its layout, made
@@ -249,14 +318,15 @@ class DevicePool:
     """The device slots of one runtime, per size class; grown only when a graph is compiled (to the most
     slots any verified plan needs at once), never while a graph runs."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, streams=None) -> None:
         self.device = device
+        self.streams = streams
         self.slots: dict[tuple, list[DeviceSlot]] = {}
 
     def reserve(self, size_class: tuple, count: int) -> list[DeviceSlot]:
         slots = self.slots.setdefault(size_class, [])
         while len(slots) < count:
-            slots.append(DeviceSlot(size_class, self.device, len(slots)))
+            slots.append(DeviceSlot(size_class, self.device, len(slots), self.streams))
         return slots
 
     @property
@@ -276,14 +346,21 @@ class HostRegistrations:
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
 
+    PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device and context, not only the current one
+
     def register(self, host: torch.Tensor) -> bool:
+        nbytes = host.untyped_storage().nbytes()
+        if nbytes == 0:  # cudaHostRegister(NULL, 0) fails; an empty buffer has nothing to copy anyway
+            return False
         try:
             cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(host.data_ptr(), host.untyped_storage().nbytes(), 0)
+            err = cudart.cudaHostRegister(host.data_ptr(), nbytes, self.PORTABLE)
         except Exception as exc:
             log.debug("cudaHostRegister unavailable (%s); using pin_memory()", exc)
             return False
         if int(getattr(err, "value", err)) != 0:
+            # torch's binding leaves the error set: cleared, or the next kernel launch would report it
+            getattr(cudart, "cudaGetLastError", lambda: None)()
             return False
         self.buffers.append(host)
         return True
@@ -292,14 +369,19 @@ class HostRegistrations:
         buffers, self.buffers = self.buffers, []
         for host in buffers:
             try:
-                torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+                cudart = torch.cuda.cudart()
+                err = cudart.cudaHostUnregister(host.data_ptr())
+                if int(getattr(err, "value", err)) != 0:
+                    getattr(cudart, "cudaGetLastError", lambda: None)()
+                    log.debug("cudaHostUnregister failed (%s)", err)
             except Exception as exc:  # interpreter shutdown: the process is ending anyway
                 log.debug("cudaHostUnregister failed (%s)", exc)
 
 
 def _pin_exact(host: torch.Tensor, registrations: HostRegistrations | None = None) -> torch.Tensor:
     """Pin an already-filled host buffer in place at its exact size (no power-of-two rounding of the
-    caching host allocator); fall back to a pinned copy where registration is unavailable."""
+    caching host allocator) where ``registrations`` can (CUDA); else a pinned copy (``pin_memory()``: the
+    current accelerator's pinned memory)."""
     if registrations is not None and registrations.register(host):
         return host
     try:
@@ -428,6 +510,29 @@ def _subclass_note(group: Group) -> str:
                                               for (name, detail), n in sorted(kinds.items())) + ")"
 
 
+def _finalize(copy_streams: list, registrations: HostRegistrations | None) -> None:
+    """A runtime collected with copies in flight (a carried copy, a call that never waited): the host waits
+    for them before its device slots are freed and its pinned buffers unregistered (this runs first)."""
+    for stream in copy_streams:
+        try:
+            stream.synchronize()
+        except Exception as exc:  # interpreter shutdown, a capture under way: nothing left to order
+            log.debug("copy stream synchronize at collection failed (%s)", exc)
+    if registrations is not None:
+        registrations.unregister_all()
+
+
+def tracing_on(device: torch.device):
+    """Entered while dynamo captures an offloaded model outside `_dynamo.compile_under_config` (``auto``'s
+    planning capture): its weights are in host memory and its inputs on the compute device, a mix fake tensors
+    refuse unless the device is preferred; the rewritten graph fetches the weights, so that is what tracing
+    assumes. Only while capturing: elsewhere the mix must still fail (tests/test_fake_cuda.py)."""
+    config = getattr(torch._functorch, "config", None)
+    if not is_accelerator(device) or not hasattr(config, "fake_tensor_prefer_device_type"):
+        return contextlib.nullcontext()
+    return config.patch(fake_tensor_prefer_device_type=device.type)
+
+
 class OffloadRuntime:
     """One model's offload state, shared by every graph captured from it."""
 
@@ -437,18 +542,20 @@ class OffloadRuntime:
         self.policy = policy
         self.model_name = model_name
         self.device = policy.torch_device
-        self.pinned = False
-        self.pinned = policy.pin_memory and self.device.type == "cuda"
-        if policy.pin_memory and not self.pinned:
-            log.debug("pin_memory ignored: compute device %s has no pinned host memory", self.device)
+        self.pinned = policy.pin_memory and can_pin(self.device)
+        if policy.pin_memory and not self.pinned and is_accelerator(self.device):
+            log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", self.device)
+        self.streams = stream_module(self.device)  # the device module whose streams and events order copies
+        self.captured = False  # a copy was issued inside a graph capture (see `_copy_on_stream`)
         unpackable = overlapping([leaf_at(w.tensor, path) for spec in specs for w in spec.weights
                                   for path in leaf_paths(w.tensor)])
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
         self.lock = threading.RLock()
         self.closed = False
         self._faults: list[Fault] = []
-        self._registrations = HostRegistrations()
-        weakref.finalize(self, self._registrations.unregister_all)
+        self._registrations = HostRegistrations() if self.device.type == "cuda" else None
+        self._copy_streams: list = []  # the copy stream once made, shared with the finalizer
+        weakref.finalize(self, _finalize, self._copy_streams, self._registrations)
         if pack_now:
             for group in self.groups:
                 self._pack(group)
@@ -469,7 +576,7 @@ class OffloadRuntime:
         self.bytes_transferred = 0
         self.fetch_count = 0
         self.used_groups: set[int] = set()  # groups a graph read in the current call (fetched or resident)
-        self.pool = DevicePool(self.device)
+        self.pool = DevicePool(self.device, self.streams)
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
         self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
         self._live: dict[int, DeviceSlot] = {}  # group -> slot waited for, not yet evicted (this call)
@@ -479,7 +586,6 @@ class OffloadRuntime:
         self._carry_used: set[int] = set()  # keys whose carried copy was taken at least once
         self._carry_misses: dict[int, int] = {}  # keys whose carried copy was dropped unused, how often
         self.carry_hits = 0
-        self._copy_stream = None
         self._fetch_keys = itertools.count(1)
         self._transfer_plans: list[TransferPlan] = []  # see `plan_transfer`
         self._transfer_plan_index: dict[TransferPlan, int] = {}
@@ -535,20 +641,26 @@ class OffloadRuntime:
         """The copy stream refills a slot only after the compute that read its previous contents (the
         slot's ``free`` event; inside a CUDA-graph capture, everything issued before, which also joins the
         copy stream into the capture); compute waits on ``ready``."""
+        streams = self.streams
         stream = self._stream()
-        current = torch.cuda.current_stream(self.device)
-        if torch.cuda.is_current_stream_capturing():
-            stream.wait_stream(current)
+        capturing = is_capturing(streams)
+        self.captured |= capturing
+        if self.captured:
+            # once a graph was captured, its replays (launched by the caller, unseen here) read and write slots
+            # between our calls, and events recorded inside the capture are nodes of its graph, not records:
+            # ``free`` no longer orders a refill after every reader, so the copy waits for all work issued
+            stream.wait_stream(streams.current_stream(self.device))
         else:
             stream.wait_event(slot.free)
-        with torch.cuda.stream(stream):
+        slot.filled_in_capture = capturing
+        with streams.stream(stream):
             for buf, bucket in zip(slot.buffers, group.buckets):
                 buf.copy_(bucket.source(), non_blocking=True)
         slot.ready.record(stream)
 
     def _ready(self, slot: DeviceSlot) -> DeviceSlot:
         if slot.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            self.streams.current_stream(self.device).wait_event(slot.ready)
         return slot
 
     def _release(self, slot: DeviceSlot) -> None:
@@ -558,7 +670,7 @@ class OffloadRuntime:
         slot.group = None
         self.ledger.release(slot.nbytes)
         if slot.free is not None:
-            slot.free.record(torch.cuda.current_stream(self.device))
+            slot.free.record(self.streams.current_stream(self.device))
 
     def _vacate(self, slot: DeviceSlot) -> None:
         """A slot about to be refilled still holds a copy kept between calls (a parked component, a copy
@@ -601,10 +713,23 @@ class OffloadRuntime:
                     self._faults.remove(fault)
                 raise fault.exception
 
+    @property
+    def _copy_stream(self):
+        return self._copy_streams[0] if self._copy_streams else None
+
     def _stream(self):
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        return self._copy_stream
+        if not self._copy_streams:
+            self._copy_streams.append(self.streams.Stream(self.device))
+        return self._copy_streams[0]
+
+    def wait_for_copies(self) -> None:
+        """The host waits until every copy issued so far has finished reading host memory: before the host
+        writes a buffer that a queued copy may still read (repacking a changed weight, `load_state_dict`),
+        and before the runtime lets go of its device memory or host buffers. Never inside a graph capture
+        (illegal there; a capture's copies read host memory at replay, not now)."""
+        stream = self._copy_stream
+        if stream is not None and not is_capturing(self.streams):
+            stream.synchronize()
 
     def _refresh_host(self, group: Group) -> None:
         """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
@@ -613,9 +738,9 @@ class OffloadRuntime:
             if (leaf.value if leaf.path else leaf.tensor).data_ptr() != leaf.host_ptr:
                 self._repack(group, leaf)
 
-    @staticmethod
-    def _repack(group: Group, leaf: Leaf) -> None:
+    def _repack(self, group: Group, leaf: Leaf) -> None:
         if group.buckets[leaf.bucket].owner is None:  # an owner bucket is read from the leaf itself
+            self.wait_for_copies()  # a queued copy (of this call, or carried from the last) may still read it
             view = leaf.host_view(group.buckets[leaf.bucket].host)
             with torch.no_grad():
                 view.copy_(leaf.value.detach())
@@ -629,17 +754,23 @@ class OffloadRuntime:
         group = self._actual(group)
         g = self.groups[group]
         slot = self._slot_of[key]
+        # inside a graph capture, copies made before it cannot be waited for (their events were recorded outside
+        # it), and a copy for the next call would fork the copy stream out of the capture without a join: a
+        # captured call copies what it reads, and carries nothing. Nor does any call after a capture: replays
+        # (unseen here) write the same slots on the compute stream while a carried copy would be in flight
+        capturing = self.streams is not None and is_capturing(self.streams)
         if mode == CARRY:
-            if self.group_remap is None and self._carry_misses.get(key, 0) < CARRY_MISSES_TO_STOP:
+            if (not capturing and not self.captured and self.group_remap is None
+                    and self._carry_misses.get(key, 0) < CARRY_MISSES_TO_STOP):
                 self._carried[key] = Carried(group, self._stamp(g), self._fill(slot, g))
             return
-        if mode == ADOPT and self._adopt(key, g):
+        if mode == ADOPT and not capturing and self._adopt(key, g):
             return
         if g.exclusive:  # alternating: other components leave before this one arrives
             for other in [o for o in self._parked if o != group]:
                 self._unpark(other)
         parked = self._parked.pop(group, None)
-        if parked is not None and parked[0] is slot and parked[1] == self._stamp(g):
+        if parked is not None and parked[0] is slot and parked[1] == self._stamp(g) and not capturing:
             self._pending[key] = slot
             return
         if parked is not None:
@@ -708,7 +839,8 @@ class OffloadRuntime:
         if self._faults:
             self._maybe_fail("evict", group)
         slot = self._live.pop(group)
-        if park:  # latency-minimising: stays on the device until another component needs the room
+        if park and not slot.filled_in_capture:  # latency-minimising: stays on the device until another
+            # component needs the room (not a copy a capture made: it exists only when the graph replays)
             self._parked[group] = (slot, self._stamp(self.groups[group]))
             return
         if poison and self.policy.debug_poison:
@@ -764,8 +896,8 @@ class OffloadRuntime:
         g = self.groups[group]
         held = self._resident.get(group)
         stamp = self._stamp(g)
-        if held is None or held[1] != stamp:
-            slot = held[0] if held is not None else DeviceSlot(size_class(g), self.device, -1)
+        if held is None or held[1] != stamp or (held[0].filled_in_capture and not is_capturing(self.streams)):
+            slot = held[0] if held is not None else DeviceSlot(size_class(g), self.device, -1, self.streams)
             if held is not None:
                 self._release(slot)
             self._resident[group] = (self._ready(self._fill(slot, g)), stamp)
@@ -783,8 +915,7 @@ class OffloadRuntime:
     def abandon_pending(self) -> None:
         """A call failed: its copies (prefetched and never waited for, waited for and never evicted) and the
         copies carried for a next call are released, after their copies finished."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
+        self.wait_for_copies()  # (a failure inside a capture keeps its own error: no synchronize there)
         for slot in [*self._pending.values(), *self._live.values()]:
             self._release(slot)
         self._pending.clear()
@@ -806,11 +937,23 @@ class OffloadRuntime:
 
     def release_device_copies(self) -> int:
         """Drop every device copy held between calls (resident groups, parked components, copies carried for
-        the next call); the next call fetches what it needs again. Returns the bytes released."""
+        the next call) and the slot pool's memory; the next call fetches what it needs again (a graph captured
+        before must be captured again: its slots' addresses are gone). Returns the bytes of copies released."""
         with self.lock:
             freed = self.release_carried() + sum(self.groups[g].nbytes for g in {*self._resident, *self._parked})
             self.release_resident()
+            self._drop_free_slots()
             return freed
+
+    def _drop_free_slots(self) -> None:
+        """The pool's memory goes too (its slots hold no copy between calls): the compute stream is ordered
+        after the copy stream first, so the allocator's reuse of the memory on it comes after every copy."""
+        if self.streams is not None and self._copy_stream is not None:
+            self.streams.current_stream(self.device).wait_stream(self._copy_stream)
+        for slots in self.pool.slots.values():
+            for slot in slots:
+                if slot.group is None:
+                    slot.drop_buffers()
 
     def unpack(self) -> None:
         """Give every weight its own storage again (the undo of packing) and drop all device copies and the
@@ -818,7 +961,7 @@ class OffloadRuntime:
         with self.lock:
             self.abandon_pending()
             self.release_resident()
-            self.pool = DevicePool(self.device)
+            self.pool = DevicePool(self.device, self.streams)
             self._slot_of.clear()
             for group in self.groups:
                 if not group.packed:
@@ -826,7 +969,8 @@ class OffloadRuntime:
                 for leaf in group.leaves:
                     if group.buckets[leaf.bucket].owner is None:
                         leaf.assign(_own_copy(leaf.value.detach(), leaf.own_stride))
-            self._registrations.unregister_all()  # before the buffers can be freed
+            if self._registrations is not None:
+                self._registrations.unregister_all()  # before the buffers can be freed
             for group in self.groups:
                 for bucket in group.buckets:
                     if bucket.owner is None:

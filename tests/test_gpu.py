@@ -110,3 +110,54 @@ def test_a_cuda_graph_captured_around_the_offloaded_forward_replays_the_stream(c
             torch.testing.assert_close(out, want, atol=2e-4, rtol=2e-4)
         assert torch.cuda.memory_allocated() == allocated  # replays allocate nothing
         assert m._offload_runtime.pool.nbytes == pool  # the capture used the slots the plan reserved
+
+
+def test_a_failed_host_registration_leaves_no_cuda_error_behind():
+    """Defect 4: torch's cudaHostRegister binding leaves CUDA's last error set on failure (an already registered
+    buffer here), which the next kernel launch would report; a zero-byte buffer is not registered at all."""
+    from offload_compiler.runtime import HostRegistrations
+    registrations = HostRegistrations()
+    assert not registrations.register(torch.empty(0))
+    host = torch.empty(1 << 20)
+    assert registrations.register(host)
+    assert not HostRegistrations().register(host)  # cudaErrorHostMemoryAlreadyRegistered
+    assert int(getattr(torch.cuda.cudart().cudaGetLastError(), "value", 0)) == 0
+    torch.cuda.synchronize()
+    assert (torch.ones(4, device="cuda") + 1).sum().item() == 8
+    registrations.unregister_all()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_offloading_to_a_second_device_copies_from_pinned_memory():
+    """Defect 5: buffers are registered portable (pinned for every device), not for the current device only."""
+    model, kwargs = _model()
+    kwargs = {k: v.to("cuda:1") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    plain = __import__("copy").deepcopy(model).to("cuda:1")
+    with torch.no_grad():
+        expected = plain(**kwargs).logits
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cuda:1", prefetch=1))
+    torch.testing.assert_close(m(**kwargs).logits, expected, atol=2e-4, rtol=2e-4)
+    assert m._offload_runtime.pinned
+    assert all(b.host.is_pinned() for g in m._offload_runtime.groups for b in g.buckets if b.host is not None)
+
+
+def test_weights_loaded_while_the_gpu_is_behind_do_not_leak_into_queued_calls():
+    """Defect 6 on hardware: the GPU is kept busy (torch.cuda._sleep) so the call's copies are still queued when
+    load_state_dict writes the pinned host buffers; they must read the old weights. Many calls, no sync."""
+    import copy
+    model, kwargs = _model()
+    plain = copy.deepcopy(model).cuda()
+    with torch.no_grad():
+        expected = plain(**kwargs).logits
+    new_state = {k: v + 0.01 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cuda", prefetch=1, debug_poison=True,
+                                             prefetch_next_call=True))
+    m(**kwargs)
+    torch.cuda.synchronize()
+    outs = []
+    for _ in range(4):
+        torch.cuda._sleep(50_000_000)  # the GPU falls behind the host
+        outs.append(m(**kwargs).logits)
+    m.load_state_dict(new_state)
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)

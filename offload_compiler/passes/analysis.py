@@ -89,11 +89,30 @@ _RETURNS_ITS_INPUT = {
 }
 
 
+# conversions that return their input when it already is what they ask for
+_CONVERSIONS = {"to", "type", "type_as", "contiguous", "float", "half", "bfloat16", "double", "int", "long", "bool",
+                "cuda", "cpu"}
+
+
+def _converts_to_itself(node: fx.Node, source: fx.Node | None) -> bool:
+    """A conversion that the trace saw make a new tensor but that returns its input at run time: the trace saw
+    the weight in host memory, so ``w.to(device)`` copied; the graph runs with the weight fetched to that
+    device, where the same call hands back the fetched copy itself (transformers' rotary ``inv_freq.to(x)``)."""
+    if node.op != "call_method" or node.target not in _CONVERSIONS or not node.args or node.args[0] is not source:
+        return False
+    before, after = _value(source), _value(node)
+    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
+            and before.shape == after.shape)
+
+
 def _may_be_its_input(node: fx.Node, source: fx.Node | None) -> bool:
     """Whether ``node`` may hand back ``source`` itself when it runs, though the fake trace made a new tensor:
     dropout in eval mode (or with ``p=0``) returns its input eagerly, while its traced value owns a storage of
-    its own. (An op inductor alone lowers to a view of its input, a zero-width pad, is handled where inductor
-    is: `insert.needs_materializing`.)"""
+    its own; so does a conversion to what the fetched weight already is (`_converts_to_itself`). (An op
+    inductor alone lowers to a view of its input, a zero-width pad, is handled where inductor is:
+    `insert.needs_materializing`.)"""
+    if _converts_to_itself(node, source):
+        return True
     if node.op != "call_function" or node.target not in _RETURNS_ITS_INPUT:
         return False
     first = node.args[0] if node.args else node.kwargs.get("input")  # F.dropout(input=w, ...) traces as a keyword

@@ -20,7 +20,7 @@ from .costmodel import DeviceRates, build_table
 from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from ..policy import OffloadPolicy
-from ..runtime import OffloadRuntime
+from ..runtime import OffloadRuntime, synchronize, tracing_on
 
 BLOCKS_PER_GROUP_CANDIDATES = (1, 2, 4)
 WARMUP_CALLS = 2  # the first compiles, the second still pays lazy initialisation
@@ -30,9 +30,10 @@ MEASURED_CALLS = 3  # calls timed after the warm-up, for predicted vs measured
 # -- budget -----------------------------------------------------------------------------------------------
 
 def free_device_bytes(device: torch.device) -> int:
-    """Free memory of the device now: ``cudaMemGetInfo`` on CUDA, available RAM on the CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    """Free memory of the device now: the device module's ``mem_get_info`` (``cudaMemGetInfo`` on CUDA) on an
+    accelerator, available RAM on the CPU."""
+    if device.type != "cpu" and hasattr(torch.get_device_module(device), "mem_get_info"):
+        return int(torch.get_device_module(device).mem_get_info(device)[0])
     try:
         import psutil
         return int(psutil.virtual_memory().available)
@@ -78,7 +79,7 @@ class OffloadPlan:
         measured), then the device's compute estimates are refined; the ledger's peak is recorded."""
         self.calls += 1
         timed = WARMUP_CALLS < self.calls <= WARMUP_CALLS + MEASURED_CALLS
-        sync = torch.cuda.synchronize if timed and runtime.device.type == "cuda" else (lambda: None)
+        sync = (lambda: synchronize(runtime.device)) if timed else (lambda: None)
         sync()
         start = time.perf_counter()
         yield
@@ -193,8 +194,9 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
     if policy.strategy != "auto":
         raise ValueError(f"plan_offload plans strategy='auto'; got strategy={policy.strategy!r}")
     budget, source = resolve_budget(policy)
-    gm, example_inputs = capture_graph(type(model).forward.__get__(model), args, kwargs, type(model).__name__)
-    rates = device_rates(policy.torch_device, policy.compiler)
+    with tracing_on(policy.torch_device):  # host weights, device inputs (the model's; calibration's probes)
+        gm, example_inputs = capture_graph(type(model).forward.__get__(model), args, kwargs, type(model).__name__)
+        rates = device_rates(policy.torch_device, policy.compiler)
     n_blocks = sum(1 for g in plan_groups(model, policy.replace(blocks_per_group=1)) if g.is_block)
     best: tuple[CostTable, Solution] | None = None
     candidates: dict[int, float | None] = {}

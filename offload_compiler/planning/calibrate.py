@@ -30,6 +30,7 @@ from torch import nn
 from ..backend import RuntimeBackend, build_runtime
 from ..grouping import plan_groups
 from ..policy import OffloadPolicy
+from ..runtime import synchronize
 from .capture import capture_graph
 from .costmodel import DeviceRates, build_table, charged_nodes, measure_rates
 
@@ -132,7 +133,7 @@ def _probe_graph(device: torch.device, rates: Any) -> tuple:
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return lambda: synchronize(device)
 
 
 def op_seconds(device: torch.device, compiler: str, rates: Any) -> float:

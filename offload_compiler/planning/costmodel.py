@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..grouping import GroupSpec
+from ..runtime import can_pin, stream_module, synchronize
 from ..passes.analysis import _storage, _value, collect_uses, weight_inputs
 from .planner import CostTable, GroupCost
 
@@ -53,19 +54,19 @@ def _best_time(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5)
 def measure_rates(device: torch.device) -> DeviceRates:
     """Micro-benchmarks, well under a second: a matmul, an elementwise add, and host→device copies of 16 MiB
     (pinned on an accelerator, as the runtime's host masters are). No overheads: see `device_rates`."""
-    cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    streams = stream_module(device) is not None  # copies overlap compute on a device with streams
+    sync = lambda: synchronize(device)  # noqa: E731
     n = 512
     a = torch.randn(n, n, device=device)
     flops = 2 * n**3 / _best_time(lambda: a @ a, sync)
     big = torch.randn(1 << 22, device=device)
     memory = 3 * big.nbytes / _best_time(lambda: big + big, sync)
     host = torch.empty(1 << 22)
-    if cuda:
+    if can_pin(device):
         host = host.pin_memory()
     dest = torch.empty_like(host, device=device)
-    copy_s = _best_time(lambda: dest.copy_(host, non_blocking=cuda), sync)
-    return DeviceRates(flops, memory, 0.0, host.nbytes / copy_s, 0.0, overlap=cuda)
+    copy_s = _best_time(lambda: dest.copy_(host, non_blocking=streams), sync)
+    return DeviceRates(flops, memory, 0.0, host.nbytes / copy_s, 0.0, overlap=streams)
 
 
 # -- compute per node -----------------------------------------------------------------------------------

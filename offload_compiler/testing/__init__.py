@@ -26,6 +26,7 @@ from ..api import offload_compile, offload_stats
 from ..offloaded import state_of
 from ..policy import OffloadPolicy
 from ..runtime import OffloadStats
+from .simulated import OrderingViolation, simulated_device  # noqa: F401 (public: the simulated accelerator)
 
 GENERIC_STRATEGIES = ("none", "sequential", "layerwise", "budget")
 
