@@ -408,3 +408,29 @@ def test_a_recompile_with_dynamic_shapes_on_the_device():
         model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),), False, False, seq, 1))
         m = offload_compile(copy.deepcopy(model).eval(), _policy(strategy="none"))
         torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
+
+
+@pytest.mark.parametrize("stage,exception", [("fetch", RuntimeError("copy failed")), ("evict", KeyboardInterrupt())])
+@pytest.mark.parametrize("carry", [False, True])
+def test_a_fault_or_interrupt_mid_call_leaves_the_model_whole_on_the_device(stage, exception, carry):
+    """A copy that fails, or an interrupt, in the middle of a call on the device (with copies in flight when the
+    previous call carried some): the error is the one raised, no ordering violation follows, the weights are
+    bit-for-bit unchanged, and the next calls compute the plain model's outputs and move what the plan says."""
+    model, x = _model()
+    m = offload_compile(copy.deepcopy(model).eval(), _policy(prefetch=1, prefetch_next_call=carry))
+    snapshot = {k: v.clone() for k, v in m.state_dict().items()}
+    for _ in range(2):
+        m(x.to(DEVICE))
+    inject_fault(m, stage, group="blocks.1", exception=exception)
+    with pytest.raises(type(exception)):
+        m(x.to(DEVICE))
+    sim.synchronize()  # a violation left by the failed call would be raised by the device from here on
+    assert all(torch.equal(v, snapshot[k]) for k, v in m.state_dict().items())
+    for _ in range(2):
+        torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
+    reset_offload_stats(m)
+    m(x.to(DEVICE))
+    if carry:  # the plan's per-call traffic does not count copies carried across calls
+        assert offload_stats(m).carried_bytes > 0 and offload_stats(m).fetch_count > 0
+    else:
+        assert_traffic_matches_plan(m)
