@@ -35,7 +35,6 @@ from torch import nn
 from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import TorchDynamoException
-from torch._dynamo.types import FrameAction
 from torch._dynamo.utils import counters
 
 from .errors import OffloadRefusal
@@ -201,11 +200,11 @@ class _ConfigDuringCompile:
         if "skip" in kwargs:  # stack frames that dynamo's logs elide: this one too
             kwargs["skip"] += 1
         if _compiling_under_config:
-            return _note_skipped(frame, self._converter(frame, *args, **kwargs))
+            return self._converter(frame, *args, **kwargs)
         _compiling_under_config = True
         try:
             with self._patch:
-                return _note_skipped(frame, self._converter(frame, *args, **kwargs))
+                return self._converter(frame, *args, **kwargs)
         finally:
             _compiling_under_config = False
 
@@ -216,30 +215,6 @@ class _ConfigDuringCompile:
         if name == "_clone_with_backend":  # DDPOptimizer's converter for its own backend: under the config too
             return lambda backend: _ConfigDuringCompile(value(backend), capture_config())
         return value
-
-
-# code objects dynamo marked, while compiling the frames of offloaded calls, to run without a graph from then on
-# in the whole process (a graph break inside a loop): see `forget_skipped_code`
-_skipped_code: set = set()
-
-
-def _note_skipped(frame: Any, result: Any) -> Any:
-    strategy = getattr(result, "frame_exec_strategy", None)
-    if (strategy is not None and strategy.cur_action == FrameAction.SKIP and getattr(result, "apply_to_code", False)
-            and getattr(result, "guarded_code", None) is None):
-        _skipped_code.add(frame.f_code)
-    return result
-
-
-def forget_skipped_code() -> None:
-    """Undo dynamo's process-wide marks on the code it ran without a graph during offloaded calls. Once marked, a
-    frame runs eagerly without passing dynamo's callback, so no counter shows it: the next model of the class
-    offloaded in this process ran that frame (DBRX's ``DbrxModel.forward``, with a graph break in its layer
-    loop) from host memory, unnoticed, where the first one was refused. Called when a call is refused for
-    reading host memory: the next offloaded call meets the same frame, and the same refusal."""
-    for code in _skipped_code:
-        _EVAL_FRAME.reset_code(code)
-    _skipped_code.clear()
 
 
 def constant_while_tracing(function: Callable[[], Any]) -> Callable[[], Any]:
