@@ -80,10 +80,18 @@ def capture_config(device_type: str | None = None):
     device inputs (the rewritten graph fetches the weights; fake tensors would refuse the mix)."""
     patch = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT,
                                        ignore_logging_functions=_logging_methods())
+    prefer = prefer_device_while_tracing(device_type)
+    return patch if prefer is _NOTHING else _Patches(patch, prefer)
+
+
+def prefer_device_while_tracing(device_type: str | None):
+    """Fake tensors prefer the compute device where host weights meet device inputs (the rewritten graph
+    fetches the weights, so that is what tracing should assume); nothing for the CPU. Only while our captures
+    trace: elsewhere the mix must still fail (tests/test_fake_cuda.py)."""
     functorch = getattr(torch._functorch, "config", None)
     if device_type in (None, "cpu") or not hasattr(functorch, "fake_tensor_prefer_device_type"):
-        return patch
-    return _Patches(patch, functorch.patch(fake_tensor_prefer_device_type=device_type))
+        return _NOTHING
+    return functorch.patch(fake_tensor_prefer_device_type=device_type)
 
 
 class _Patches:

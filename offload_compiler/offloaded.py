@@ -413,7 +413,8 @@ class _OffloadedForward:
             calls, skipped = runtime.graph_calls, skipped_frames()
             if not state.routing:  # a part called from a frame run without a graph adds to its caller's
                 runtime.used_groups.clear()
-                state.breaks = graph_breaks()
+                if not state.warned_eager:  # read only by the one warning (`warn_without_graph`)
+                    state.breaks = graph_breaks()
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
             compiled = self._compiled or self._compile(runtime)
             try:

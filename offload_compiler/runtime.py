@@ -6,7 +6,6 @@ Everything that changes while a model runs lives in `OffloadRuntime`. The graph'
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -18,6 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ._dynamo import prefer_device_while_tracing
 from ._registry import register
 from .grouping import GroupSpec
 from .passes.fuse import EVICT as EVICT_STEP
@@ -524,13 +524,8 @@ def _finalize(copy_streams: list, registrations: HostRegistrations | None) -> No
 
 def tracing_on(device: torch.device):
     """Entered while dynamo captures an offloaded model outside `_dynamo.compile_under_config` (``auto``'s
-    planning capture): its weights are in host memory and its inputs on the compute device, a mix fake tensors
-    refuse unless the device is preferred; the rewritten graph fetches the weights, so that is what tracing
-    assumes. Only while capturing: elsewhere the mix must still fail (tests/test_fake_cuda.py)."""
-    config = getattr(torch._functorch, "config", None)
-    if not is_accelerator(device) or not hasattr(config, "fake_tensor_prefer_device_type"):
-        return contextlib.nullcontext()
-    return config.patch(fake_tensor_prefer_device_type=device.type)
+    planning capture): see `_dynamo.prefer_device_while_tracing`."""
+    return prefer_device_while_tracing(device.type)
 
 
 class OffloadRuntime:
