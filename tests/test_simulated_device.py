@@ -434,3 +434,40 @@ def test_a_fault_or_interrupt_mid_call_leaves_the_model_whole_on_the_device(stag
         assert offload_stats(m).carried_bytes > 0 and offload_stats(m).fetch_count > 0
     else:
         assert_traffic_matches_plan(m)
+
+
+class _WithOwnMethod(nn.Module):
+    _layerwise_offload_blocks_attr = "blocks"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.proj(x)
+
+    def project(self, x):  # reads a weight directly, not through a module call
+        return torch.relu(self.blocks[0](x)) @ self.proj.weight.T
+
+
+def test_a_registered_method_fetches_the_weight_it_reads_directly_on_the_device():
+    """Unregistered, the method's direct read meets the host weight and fails at the op; registered, it runs as
+    one offloaded graph that fetches ``proj`` and ``blocks.0`` and nothing else."""
+    from offload_compiler import register_offload_method
+    torch.manual_seed(0)
+    model = _WithOwnMethod().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model.project(x)
+    m = offload_compile(copy.deepcopy(model), _policy(strategy="sequential", prefetch=0))
+    with pytest.raises(RuntimeError, match="same device"), torch.no_grad():
+        m.project(x.to(DEVICE))
+    register_offload_method(m, "project")
+    reset_offload_stats(m)
+    with torch.no_grad():
+        torch.testing.assert_close(m.project(x.to(DEVICE)).cpu(), expected)
+    held = {g.name: g.nbytes for g in m._offload_runtime.groups}
+    assert offload_stats(m).bytes_transferred == held["blocks.0"] + held["proj"]
