@@ -26,7 +26,8 @@ from .passes.schedule import Schedule, build_schedule
 from .passes.slots import assign_slots, pool_bytes
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
-from .runtime import OffloadRuntime, size_class
+from .host_masters import OnDemand, with_host_masters
+from .runtime import OffloadRuntime, is_accelerator, size_class
 from .subclasses import leaf_nbytes
 
 OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
@@ -64,7 +65,10 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
     grouped weights packed into host buffers (now, or at their first fetch), the others moved to the device."""
     specs = plan_groups(model, policy) if specs is None else specs
     _unmanaged_to_device(model, specs, policy, move=pack_now)
-    runtime = OffloadRuntime(policy, specs, type(model).__name__, pack_now)
+    on_demand = OnDemand()
+    if pack_now and is_accelerator(policy.torch_device):  # see host_masters: no host read, by construction
+        specs = with_host_masters(model, specs, policy.torch_device, weakref.ref(on_demand))
+    runtime = OffloadRuntime(policy, specs, type(model).__name__, pack_now, on_demand)
     managed = {id(w.tensor) for spec in specs for w in spec.weights}
     seen: set[int] = set()
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -73,6 +77,7 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
             runtime.unmanaged_bytes += leaf_nbytes(tensor)
     runtime.unmanaged_ids = seen
     runtime.model_ref = weakref.ref(model)
+    runtime.keep_state_dicts_plain(model)
     return runtime
 
 

@@ -23,6 +23,7 @@ from .grouping import GroupSpec
 from .passes.fuse import EVICT as EVICT_STEP
 from .passes.schedule import ADOPT, CARRY, FETCH
 from .policy import OffloadPolicy
+from .host_masters import HostMaster, OnDemand, host_of, point_at, release_masters, watch_state_dict
 from .subclasses import Path, RebuildSpec, leaf_at, leaf_paths, own_storage, rebuild, rebuild_spec, set_leaf
 
 log = logging.getLogger("offload_compiler")
@@ -46,6 +47,7 @@ class OffloadStats:
     unmanaged_bytes: int = 0  # weights outside every group, living on the compute device
     carried_bytes: int = 0  # prefetched by the last call for the next one (prefetch_next_call), held now
     carry_hits: int = 0  # calls' first fetches served by the previous call's prefetch
+    on_demand_bytes: int = 0  # weights read outside an offloaded graph, each op's copy fetched for it alone
 
     @property
     def peak_device_weight_bytes(self) -> int:
@@ -58,6 +60,8 @@ class OffloadStats:
         kept = f", {mib(self.unmanaged_bytes)} kept on the device" if self.unmanaged_bytes else ""
         carried = (f"; {mib(self.carried_bytes)} prefetched for the next call ({self.carry_hits} used)"
                    if self.carried_bytes or self.carry_hits else "")
+        carried += (f"; {mib(self.on_demand_bytes)} fetched on demand outside the offloaded graphs"
+                    if self.on_demand_bytes else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
                 f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
@@ -105,10 +109,15 @@ class Leaf:
 
     @property
     def value(self) -> torch.Tensor:
-        return leaf_at(self.tensor, self.path)
+        """The tensor holding this leaf's host bytes (a host master's host view)."""
+        return host_of(leaf_at(self.tensor, self.path))
 
     def assign(self, value: torch.Tensor) -> None:
-        set_leaf(self.tensor, self.path, value)
+        """Point this leaf at new host bytes (a view into its group's flat buffer, a master's too)."""
+        if self.path:
+            set_leaf(self.tensor, self.path, value)
+        else:
+            point_at(self.tensor, value)
 
     def host_view(self, flat: torch.Tensor) -> torch.Tensor:
         """This leaf's place in its flat buffer, with its layout."""
@@ -431,7 +440,7 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
     for w in spec.weights:
         leaves = []
         for path in leaf_paths(w.tensor):
-            t = leaf_at(w.tensor, path)
+            t = host_of(leaf_at(w.tensor, path))
             shape, numel, own = tuple(t.shape), t.numel(), tuple(t.stride())
             packed = id(t) not in unpackable
             stride = own if packed and dense_layout(shape, own) else contiguous_stride(shape)
@@ -532,7 +541,7 @@ class OffloadRuntime:
     """One model's offload state, shared by every graph captured from it."""
 
     def __init__(self, policy: OffloadPolicy, specs: list[GroupSpec], model_name: str = "model",
-                 pack_now: bool = True) -> None:
+                 pack_now: bool = True, on_demand: OnDemand | None = None) -> None:
         self.id = next(_NEXT_ID)
         self.policy = policy
         self.model_name = model_name
@@ -542,7 +551,7 @@ class OffloadRuntime:
             log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", self.device)
         self.streams = stream_module(self.device)  # the device module whose streams and events order copies
         self.captured = False  # a copy was issued inside a graph capture (see `_copy_on_stream`)
-        unpackable = overlapping([leaf_at(w.tensor, path) for spec in specs for w in spec.weights
+        unpackable = overlapping([host_of(leaf_at(w.tensor, path)) for spec in specs for w in spec.weights
                                   for path in leaf_paths(w.tensor)])
         self.groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
         self.lock = threading.RLock()
@@ -550,6 +559,8 @@ class OffloadRuntime:
         self._faults: list[Fault] = []
         self._registrations = HostRegistrations() if self.device.type == "cuda" else None
         self._copy_streams: list = []  # the copy stream once made, shared with the finalizer
+        self.on_demand = on_demand or OnDemand()  # weights read outside the graphs (host masters, per op)
+        self._state_dict_hooks: dict[int, tuple] = {}  # module id -> (module ref, handle): see `keep_state_dicts_plain`
         weakref.finalize(self, _finalize, self._copy_streams, self._registrations)
         if pack_now:
             for group in self.groups:
@@ -730,7 +741,7 @@ class OffloadRuntime:
         """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
         flat buffer."""
         for leaf in group.leaves:  # once per leaf per fetch: a plain weight's leaf is the weight itself
-            if (leaf.value if leaf.path else leaf.tensor).data_ptr() != leaf.host_ptr:
+            if leaf.value.data_ptr() != leaf.host_ptr:
                 self._repack(group, leaf)
 
     def _repack(self, group: Group, leaf: Leaf) -> None:
@@ -958,12 +969,23 @@ class OffloadRuntime:
             self.release_resident()
             self.pool = DevicePool(self.device, self.streams)
             self._slot_of.clear()
+            masters: dict[int, tuple] = {}
             for group in self.groups:
                 if not group.packed:
                     continue
                 for leaf in group.leaves:
-                    if group.buckets[leaf.bucket].owner is None:
-                        leaf.assign(_own_copy(leaf.value.detach(), leaf.own_stride))
+                    owned = group.buckets[leaf.bucket].owner is not None  # never packed: its bytes are its own
+                    own = leaf.value if owned else _own_copy(leaf.value.detach(), leaf.own_stride)
+                    if isinstance(leaf.tensor, HostMaster):
+                        masters[id(leaf.tensor)] = (leaf.tensor, own)
+                    elif not owned:
+                        leaf.assign(own)
+            model = self.model_ref() if self.model_ref is not None else None
+            if masters and model is not None:
+                release_masters(model, masters)
+            for _, handle in self._state_dict_hooks.values():
+                handle.remove()
+            self._state_dict_hooks.clear()
             if self._registrations is not None:
                 self._registrations.unregister_all()  # before the buffers can be freed
             for group in self.groups:
@@ -973,6 +995,13 @@ class OffloadRuntime:
                 group.packed = False
             self.closed = True
 
+    def keep_state_dicts_plain(self, model: torch.nn.Module) -> None:
+        """On an accelerator, ``state_dict`` of the model and of each of its modules gives host masters as
+        their host views (plain tensors, as before offloading), until `unpack`."""
+        if is_accelerator(self.device):
+            for module in model.modules():
+                watch_state_dict(module, self._state_dict_hooks)
+
     # -- stats --------------------------------------------------------------------------------------
     def stats(self) -> OffloadStats:
         held = sum(self.groups[g].nbytes for g in self._resident)
@@ -981,7 +1010,7 @@ class OffloadRuntime:
         carried = sum(self.groups[c.group].nbytes for c in self._carried.values())
         return OffloadStats(self.bytes_transferred, self.ledger.peak, self.fetch_count, self.ledger.live,
                             held, streamed, self.total_bytes, parked, self.unmanaged_bytes, carried,
-                            self.carry_hits)
+                            self.carry_hits, self.on_demand.bytes)
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
@@ -1015,4 +1044,5 @@ class OffloadRuntime:
         self.bytes_transferred = 0
         self.fetch_count = 0
         self.carry_hits = 0
+        self.on_demand.bytes = self.on_demand.ops = 0
         self.ledger.reset_peak()

@@ -20,18 +20,22 @@ from typing import Any, Iterator
 import torch
 
 from ._registry import runtime_by_id
+from .host_masters import HostMaster
+from .storage import own_storage
 
 Path = tuple[str, ...]
 
 
 def is_traceable_subclass(tensor: object) -> bool:
-    """A tensor subclass that flattens into inner tensors (``torch.Tensor`` and ``nn.Parameter`` do not)."""
-    return isinstance(tensor, torch.Tensor) and hasattr(type(tensor), "__tensor_flatten__")
+    """A tensor subclass that flattens into inner tensors (``torch.Tensor`` and ``nn.Parameter`` do not). A
+    host master is the engine's own plain weight (its bytes are its one leaf), not such a subclass."""
+    return (isinstance(tensor, torch.Tensor) and hasattr(type(tensor), "__tensor_flatten__")
+            and not isinstance(tensor, HostMaster))
 
 
 def untraceable(tensor: torch.Tensor) -> str | None:
     """Why ``tensor`` cannot be moved as plain tensors (a subclass that does not flatten), else None."""
-    if is_traceable_subclass(tensor) or type(tensor.data) is torch.Tensor:
+    if is_traceable_subclass(tensor) or type(tensor.data) in (torch.Tensor, HostMaster):
         return None
     return (f"a tensor subclass ({type(tensor.data).__name__}) without __tensor_flatten__/__tensor_unflatten__, "
             f"so its inner tensors cannot be moved")
@@ -83,23 +87,6 @@ def set_leaf(tensor: torch.Tensor, path: Path, value: torch.Tensor) -> None:
         # to set the storage of a tensor on device cpu to a storage on different device meta")
         value = own_storage(value)
     setattr(leaf_at(tensor, path[:-1]), path[-1], value)
-
-
-def own_storage(value: torch.Tensor) -> torch.Tensor:
-    """``value``'s bytes, shape and strides through a storage object of its own that begins at its first element.
-    The storage slice does not own its bytes, so the alias keeps the tensor it was cut from alive."""
-    start = value.storage_offset() * value.element_size()
-    storage = value.untyped_storage()[start:start + _span(value) * value.element_size()]
-    alias = torch.empty(0, dtype=value.dtype, device=value.device).set_(storage, 0, value.shape, value.stride())
-    alias._offload_base = value
-    return alias
-
-
-def _span(tensor: torch.Tensor) -> int:
-    """Elements from a tensor's first to one past its last (its extent in storage)."""
-    if tensor.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,8 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policy", ("offload_compiler.policy", "offload_compiler.errors")),
     ("support", ("offload_compiler._tree", "offload_compiler._registry", "offload_compiler._dynamo", "offload_compiler.distributed",
-                 "offload_compiler.subclasses", "offload_compiler.components", "offload_compiler.config")),
+                 "offload_compiler.subclasses", "offload_compiler.components", "offload_compiler.config",
+                 "offload_compiler.storage", "offload_compiler.host_masters")),
     ("grouping", ("offload_compiler.grouping",)),
     ("passes", ("offload_compiler.passes",)),
     ("runtime", ("offload_compiler.runtime", "offload_compiler.ops")),

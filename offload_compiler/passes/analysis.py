@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import OffloadRefusal
+from ..host_masters import host_of
 from ..subclasses import plain_leaves
 from .schedule import Use
 
@@ -42,7 +43,8 @@ def _value(node: fx.Node):
 
 def _storage(value) -> StorageWeakRef | None:
     if isinstance(value, torch.Tensor):
-        value = plain_leaves(value)[0]  # a subclass (quantized, DTensor) aliases through its first inner tensor
+        # a subclass (quantized, DTensor) aliases through its first inner tensor, a host master through its bytes
+        value = host_of(plain_leaves(value)[0])
         try:
             return StorageWeakRef(value.untyped_storage())
         except (NotImplementedError, RuntimeError):

@@ -1,0 +1,197 @@
+"""Host masters: a streamed weight whose bytes live in host memory and whose device is the compute device.
+
+On an accelerator, every offloaded plain weight (parameter or buffer) is replaced in the model by a
+`HostMaster` (tied weights by one master), whose ``device`` is the compute device and whose bytes are a view
+into its group's packed host buffer (``.host``). That makes a host read impossible by construction:
+
+- every trace sees a device weight (dynamo's fake tensors and shape propagation meet no host tensor beside a
+  device activation), and the offloaded graph reads the weight from its device slot, never from the master;
+- code that runs outside an offloaded graph and computes with the weight (a frame dynamo ran without a graph,
+  a part called by hand, ``x @ self.proj.weight`` in a method) computes on a device copy fetched on demand
+  for that op, as a hook-based offloader would, and the bytes are counted (`OnDemand`);
+- copies out (``.cpu()``, ``.to(...)``), views, ``state_dict`` (the host view, see `state_dict_hook`) and
+  in-place updates (``load_state_dict``, ``p.data = t``, peft's merges, ``p.add_(delta)``) work on the host
+  bytes; the runtime sees the change through the master's version counter and data pointer and refreshes the
+  packed buffer before the next copy.
+
+Where the device is the host (``cpu``) the weights stay plain tensors: there a read outside a graph is a read of
+the device weight.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .storage import own_storage
+
+aten = torch.ops.aten
+_DATA = torch.Tensor.data  # the ``.data`` descriptor: its setter reaches __torch_function__ as ``__set__``
+
+
+class OnDemand:
+    """Bytes and ops of weights fetched on demand (outside an offloaded graph), per runtime."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.ops = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.ops += 1
+
+
+def _counted(master: "HostMaster") -> torch.Tensor:
+    """The master's device copy for one op outside an offloaded graph."""
+    host = master.host
+    value = host.to(master.device)
+    if not torch.compiler.is_compiling():  # a trace's fake propagation moves no bytes
+        account = master.account() if master.account is not None else None
+        if account is not None:
+            account.add(host.numel() * host.element_size())
+    return value
+
+
+class HostMaster(torch.Tensor):
+    """A weight whose bytes live in host memory (``host``) and whose ``device`` is the compute device."""
+
+    host: torch.Tensor
+    account: Callable[[], OnDemand | None] | None
+
+    @staticmethod
+    def __new__(cls, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False):
+        return torch.Tensor._make_wrapper_subclass(cls, host.shape, strides=host.stride(), dtype=host.dtype,
+                                                   device=device, requires_grad=requires_grad)
+
+    def __init__(self, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False):
+        self.host = _fakifiable(host)
+        self.account = account
+
+    def __repr__(self) -> str:  # no data: printing a weight must not fetch it
+        return (f"HostMaster(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"bytes in {self.host.device} memory)")
+
+    def __tensor_flatten__(self):
+        return ["host"], (self.device, self.account)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size, outer_stride) -> "HostMaster":
+        return HostMaster(inner["host"], ctx[0], ctx[1])
+
+    def __deepcopy__(self, memo: dict) -> "HostMaster":
+        return HostMaster(copy.deepcopy(self.host, memo), self.device, None, self.requires_grad)
+
+    def __reduce_ex__(self, protocol):  # torch.save / pickle of a master: the host bytes, a plain tensor
+        return self.host.__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == _DATA.__set__ and isinstance(args[0], HostMaster) and not isinstance(args[1], HostMaster):
+            master, new = args
+            master.host = _fakifiable(new.detach().to(master.host.device))  # repacked before the next copy
+            torch.autograd.graph.increment_version(master.host)
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, HostMaster):
+            if func.is_view:  # a view of the weight is a view of its host bytes, still on the compute device
+                return HostMaster(func(first.host, *args[1:], **kwargs), first.device, first.account)
+            if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
+                return func(first.host, **{"device": first.device, **kwargs})
+            if func._schema.is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
+                host = first.host
+                rest = tree_map(lambda a: _host_operand(a, host.device), (args[1:], kwargs))
+                func(host, *rest[0], **rest[1])
+                torch.autograd.graph.increment_version(host)
+                return first
+        args, kwargs = tree_map(lambda a: _counted(a) if isinstance(a, HostMaster) else a, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _fakifiable(host: torch.Tensor) -> torch.Tensor:
+    """Dynamo fakifies a subclass only where its inner tensor starts at its storage's first byte."""
+    return own_storage(host) if host.storage_offset() else host
+
+
+def _host_operand(value: Any, host_device: torch.device) -> Any:
+    if isinstance(value, HostMaster):
+        return value.host
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != host_device:
+        return value.to(host_device)
+    return value
+
+
+def host_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a weight's bytes: a master's host view, else the tensor itself."""
+    return tensor.host if isinstance(tensor, HostMaster) else tensor
+
+
+def with_host_masters(model: nn.Module, specs: list, device: torch.device, account) -> list:
+    """Replace each plain weight of ``specs`` in ``model`` by a host master over its bytes (one master per
+    tensor: tied weights stay tied), and return the specs naming the masters. The masters are new objects, as
+    FSDP2's sharded parameters are: code that kept a reference to a parameter from before offloading holds a
+    tensor the model no longer uses."""
+    masters: dict[int, torch.Tensor] = {}
+    for spec in specs:
+        for w in spec.weights:
+            tensor = w.tensor
+            if type(tensor) in (torch.Tensor, nn.Parameter) and id(tensor) not in masters:
+                master = HostMaster(tensor.detach(), device, account)
+                masters[id(tensor)] = nn.Parameter(master, requires_grad=tensor.requires_grad) \
+                    if isinstance(tensor, nn.Parameter) else master
+    _replace_in(model, masters)
+    return [dataclasses.replace(spec, weights=tuple(dataclasses.replace(w, tensor=masters.get(id(w.tensor), w.tensor))
+                                                    for w in spec.weights)) for spec in specs]
+
+
+def release_masters(model: nn.Module, owns: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The undo of `with_host_masters`: each master (by id, with its own copy of the host bytes) becomes a plain
+    parameter or buffer over that copy again."""
+    plain = {i: nn.Parameter(own, requires_grad=master.requires_grad) if isinstance(master, nn.Parameter) else own
+             for i, (master, own) in owns.items()}
+    _replace_in(model, plain)
+
+
+def _replace_in(model: nn.Module, new: dict[int, torch.Tensor]) -> None:
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) in new:
+                    table[name] = new[id(tensor)]
+
+
+def point_at(tensor: torch.Tensor, host: torch.Tensor) -> None:
+    """Point a weight at new host bytes (a view into its packed buffer): a master's ``host``, else ``.data``."""
+    if isinstance(tensor, HostMaster):
+        tensor.host = _fakifiable(host)
+    else:
+        tensor.data = host
+
+
+def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """``state_dict`` of a module holding masters: each master as its host view (a plain tensor, as before
+    offloading; safetensors and torch.save take it)."""
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, HostMaster):
+            state_dict[key] = value.host
+
+
+def watch_state_dict(module: nn.Module, handles: dict[int, Any]) -> None:
+    """Register `state_dict_hook` once on ``module`` (kept in ``handles`` by module id, for removal)."""
+    if id(module) not in handles:
+        handles[id(module)] = (weakref.ref(module), module.register_state_dict_post_hook(state_dict_hook))

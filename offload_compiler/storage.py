@@ -1,0 +1,23 @@
+"""Tensors over a storage object of their own: what dynamo needs to fakify a tensor subclass's inner tensor, and
+what a custom op's outputs need (they must not share storage)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def own_storage(value: torch.Tensor) -> torch.Tensor:
+    """``value``'s bytes, shape and strides through a storage object of its own that begins at its first element.
+    The storage slice does not own its bytes, so the alias keeps the tensor it was cut from alive."""
+    start = value.storage_offset() * value.element_size()
+    storage = value.untyped_storage()[start:start + span(value) * value.element_size()]
+    alias = torch.empty(0, dtype=value.dtype, device=value.device).set_(storage, 0, value.shape, value.stride())
+    alias._offload_base = value
+    return alias
+
+
+def span(tensor: torch.Tensor) -> int:
+    """Elements from a tensor's first to one past its last (its extent in storage)."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))

@@ -1,0 +1,153 @@
+"""Host masters on a device that is not the host: an offloaded weight's device is the compute device and its
+bytes stay in host memory, so no route can compute with host weights, and what a route reads outside an
+offloaded graph is fetched on demand and counted."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import (OffloadPolicy, offload_compile, offload_stats, remove_offload,
+                              reset_offload_stats)
+from offload_compiler.host_masters import HostMaster
+from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matches_plan, build_block_model, \
+    simulated_device
+
+DEVICE = simulated_device()
+SPEC = ModelSpec(8, (BlockSpec("mlp", 8), BlockSpec("mlp", 8), BlockSpec("mlp", 8)), False, False, 3, 1)
+
+
+def _policy(**fields):
+    fields.setdefault("strategy", "layerwise")
+    return OffloadPolicy(device=DEVICE, compiler="eager", debug_poison=True, **fields)
+
+
+def _offloaded(**fields):
+    model, x = build_block_model(SPEC, seed=3)
+    model.eval().requires_grad_(False)
+    return model, offload_compile(copy.deepcopy(model), _policy(**fields)), x
+
+
+def _run(m, x):
+    with torch.no_grad():
+        return m(x.to(DEVICE)).cpu()
+
+
+def _plain(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def test_offloaded_weights_are_masters_on_the_device_and_plain_on_the_cpu():
+    model, m, x = _offloaded()
+    streamed = [p for p in m.parameters() if isinstance(p, HostMaster)]
+    assert streamed and all(p.device == torch.device(DEVICE) and p.host.device.type == "cpu" for p in streamed)
+    for p, q in zip(m.parameters(), model.parameters()):  # their bytes are the model's
+        assert torch.equal(p.host, q)
+    on_cpu = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
+    assert not any(isinstance(p, HostMaster) for p in on_cpu.parameters())  # there the host is the device
+
+
+def test_tied_weights_stay_tied():
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False)).eval()
+    model[2].weight = model[0].weight
+    m = offload_compile(copy.deepcopy(model), _policy(strategy="sequential"))
+    assert m[2].weight is m[0].weight and isinstance(m[0].weight, HostMaster)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids.to(DEVICE)).cpu(), model(ids))
+
+
+def test_state_dict_is_plain_host_tensors_that_torch_save_and_safetensors_take():
+    safetensors = pytest.importorskip("safetensors.torch")
+    model, m, x = _offloaded()
+    state = m.state_dict()
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in state.values())
+    assert state.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value)
+    assert all(type(t) is torch.Tensor for t in m.blocks[0].state_dict().values())  # a part's own state_dict
+    blob = safetensors.save(state)
+    assert torch.equal(safetensors.load(blob)["blocks.0.up.weight"], model.blocks[0].up.weight)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert buffer.tell() > 0
+
+
+@pytest.mark.parametrize("carry", [False, True])
+@pytest.mark.parametrize("change", ["load_state_dict", "data", "add_", "copy_"])
+def test_a_weight_changed_between_calls_is_what_the_next_call_reads(change, carry):
+    model, m, x = _offloaded(prefetch=1, prefetch_next_call=carry)
+    _run(m, x), _run(m, x)  # with carry, the second call prefetches for the third: that copy is now stale
+    new = torch.full_like(model.blocks[1].up.weight, 0.05)
+    with torch.no_grad():
+        if change == "load_state_dict":
+            m.load_state_dict({**model.state_dict(), "blocks.1.up.weight": new})
+        elif change == "data":
+            m.blocks[1].up.weight.data = new.clone()
+        elif change == "add_":
+            m.blocks[1].up.weight.add_(new.to(DEVICE) - model.blocks[1].up.weight.to(DEVICE))
+        else:
+            m.blocks[1].up.weight.copy_(new)
+        model.blocks[1].up.weight.copy_(new)
+    reset_offload_stats(m)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    assert isinstance(m.blocks[1].up.weight, HostMaster)
+    assert offload_stats(m).on_demand_bytes == 0
+    if not carry:
+        assert_traffic_matches_plan(m)
+
+
+def test_a_frame_run_without_a_graph_reads_weights_on_demand_on_the_device():
+    """A forward calling a function that dynamo must not compile, which reads a weight directly: that frame
+    runs without a graph; its read computes on a device copy of the weight, counted, never on host bytes,
+    while the blocks stream through their graph."""
+    class Disabled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = torch.relu(block(x))
+            return self.project(x)
+
+        @torch.compiler.disable
+        def project(self, x):
+            return x @ self.head.weight.T + self.head.bias
+
+    torch.manual_seed(0)
+    model = Disabled().eval().requires_grad_(False)
+    x = torch.randn(2, 8)
+    m = offload_compile(copy.deepcopy(model), _policy(blocks_attr="blocks"))
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    reset_offload_stats(m)
+    _run(m, x)
+    head = (m.head.weight.numel() + m.head.bias.numel()) * 4
+    assert offload_stats(m).on_demand_bytes == head
+    blocks = sum(g.nbytes for g in m._offload_runtime.groups if g.name.startswith("blocks"))
+    assert offload_stats(m).bytes_transferred == blocks
+
+
+def test_remove_offload_gives_plain_weights_back_bit_for_bit():
+    model, m, x = _offloaded()
+    _run(m, x)
+    plain = remove_offload(m)
+    params = dict(plain.named_parameters())
+    assert all(type(p) is nn.Parameter and p.device.type == "cpu" for p in params.values())
+    for name, p in model.named_parameters():
+        assert torch.equal(params[name], p)
+    torch.testing.assert_close(_plain(plain, x), _plain(model, x))
+
+
+def test_views_and_copies_of_a_master_move_no_bytes_to_the_device():
+    _, m, _ = _offloaded()
+    w = m.blocks[0].up.weight
+    reset_offload_stats(m)
+    assert isinstance(w.T, HostMaster) and isinstance(w.detach(), HostMaster)
+    assert torch.equal(w.cpu(), w.host) and w.to("cpu", torch.float64).dtype == torch.float64
+    assert offload_stats(m).on_demand_bytes == 0
+    assert "HostMaster" in repr(w)
