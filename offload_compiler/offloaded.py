@@ -149,8 +149,9 @@ class OffloadState:
         reasons = graph_breaks_since(self.breaks)
         why = f" (dynamo's graph breaks: {'; '.join(reasons)})" if reasons else ""
         unfetched = (f" The weights {unread[:4]}{' ...' if len(unread) > 4 else ''} were fetched by no graph: unused "
-                     f"in this call (a data-dependent route), or read there as tensors, not through a module call, "
-                     f"from host memory (on an accelerator such a read fails at the op)." if unread else "")
+                     f"in this call (a data-dependent route), or read there as tensors, not through a module call "
+                     f"(on an accelerator each such read is fetched for its op: offload_stats(m).on_demand_bytes; "
+                     f"on the CPU it reads the weight where it is)." if unread else "")
         warnings.warn(
             f"offload_compiler: dynamo runs part of {self.name}'s forward without a graph{why}. The modules that "
             f"code calls, such as {_path_of(self, module) or type(module).__name__}, each run as their own offloaded "

@@ -362,8 +362,8 @@ def test_auto_times_its_calls_through_the_device_module_and_not_inside_a_capture
 
 
 @pytest.mark.xfail(strict=True, reason="the user's own dynamo trace of torch.compile(backend='omni_offload') meets "
-                   "host weights with device inputs before the backend runs, and fake tensors refuse the mix "
-                   "(the same on CUDA); offload_compile's captures prefer the compute device, this route cannot")
+                   "plain host weights with device inputs before the backend runs, and fake tensors refuse the mix "
+                   "(the same on CUDA); offload_compile makes host masters (device weights) before any trace")
 def test_omni_offload_route_on_the_device():
     model, x = _model()
     compiled = torch.compile(copy.deepcopy(model).eval(), backend="omni_offload",
