@@ -13,10 +13,12 @@ import weakref
 from typing import Callable
 
 import torch
+from torch import nn
 
 from .._registry import register
 from ..grouping import GroupSpec
 from ..policy import OffloadPolicy
+from ..subclasses import leaf_nbytes
 from .device import DeviceStreams, synchronize_streams
 from .host import HostStore
 from .pinning import HostRegistrations
@@ -35,6 +37,18 @@ def _finalize(copy_streams: list, registrations: HostRegistrations | None) -> No
         registrations.unregister_all()
 
 
+def _unmanaged(model: nn.Module, specs: list[GroupSpec]) -> tuple[set[int], int]:
+    """The model's tensors in no group (they live on the compute device): their ids and bytes."""
+    managed = {id(w.tensor) for spec in specs for w in spec.weights}
+    seen: set[int] = set()
+    nbytes = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in managed and id(tensor) not in seen:
+            seen.add(id(tensor))
+            nbytes += leaf_nbytes(tensor)
+    return seen, nbytes
+
+
 def _forwarded(component: str, name: str, stub: bool = False) -> property:
     """``name`` of the component at ``component``, read through the runtime. ``stub``: also replaced (and
     restored by ``del``) through it, which only tests and benchmarks do, to record or leave out a step."""
@@ -48,10 +62,11 @@ def _forwarded(component: str, name: str, stub: bool = False) -> property:
 
 
 class OffloadRuntime:
-    """One model's offload state, shared by every graph captured from it."""
+    """One model's offload state, shared by every graph captured from it. ``model`` (optional) is the module
+    whose groups ``specs`` are: its other weights are counted as kept on the device, and named in refusals."""
 
     def __init__(self, policy: OffloadPolicy, specs: list[GroupSpec], model_name: str = "model",
-                 pack_now: bool = True) -> None:
+                 pack_now: bool = True, model: nn.Module | None = None) -> None:
         self.id = next(_NEXT_ID)
         self.policy = policy
         self.model_name = model_name
@@ -66,9 +81,9 @@ class OffloadRuntime:
         if pack_now:
             for group in self.host.groups:
                 self.host.pack(group)
-        self.unmanaged_bytes = 0  # weights in no group: they live on the compute device
-        self.unmanaged_ids: set[int] = set()  # and which tensors those are
-        self.model_ref: Callable[[], object] | None = None  # a weak reference to the model (names in messages)
+        # the model: a weak reference (names in messages) and its weights in no group
+        self.model_ref: Callable[[], object] | None = None if model is None else weakref.ref(model)
+        self.unmanaged_ids, self.unmanaged_bytes = (set(), 0) if model is None else _unmanaged(model, specs)
         self.graph_plans: list = []
         self.graph_calls = 0
         self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
@@ -94,7 +109,7 @@ class OffloadRuntime:
     fetch_count = _forwarded("transfers", "fetch_count")
     carry_hits = _forwarded("transfers", "carry_hits")
     captured = _forwarded("transfers", "captured")
-    group_remap = _forwarded("transfers", "group_remap", stub=True)  # set by the backend around each call
+    group_remap = _forwarded("transfers", "group_remap")
     # read, or stubbed, by tests and benchmarks (tests/test_slots.py, test_hot_path.py, benchmarks/decode.py)
     _wait = _forwarded("transfers", "_wait", stub=True)
     _copy_into = _forwarded("transfers", "_copy_into", stub=True)
@@ -136,7 +151,24 @@ class OffloadRuntime:
         """See `HostStore.remap_between`."""
         return self.host.remap_between(passed, compiled_ids)
 
+    def add_graph_plan(self, plan) -> int:
+        """Record the plan of a newly compiled graph; returns its index (`begin_call` counts its calls)."""
+        self.graph_plans.append(plan)
+        self.plan_calls.append(0)
+        return len(self.graph_plans) - 1
+
     # -- one call of a graph (the caller holds ``lock``) ----------------------------------------------
+    def begin_call(self, plan_index: int, carry_keys: frozenset[int], remap: dict[int, int] | None) -> None:
+        """A graph of plan ``plan_index`` is about to run, on the groups ``remap`` maps its own to (None: the
+        weights it was compiled with); see `begin_graph` for ``carry_keys``. `end_call` follows, always."""
+        self.graph_calls += 1
+        self.plan_calls[plan_index] += 1
+        self.transfers.begin_graph(carry_keys)
+        self.transfers.group_remap = remap
+
+    def end_call(self) -> None:
+        self.transfers.group_remap = None
+
     def begin_graph(self, carry_keys: frozenset[int]) -> None:
         """See `TransferEngine.begin_graph`."""
         self.transfers.begin_graph(carry_keys)
