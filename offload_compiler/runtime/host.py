@@ -21,19 +21,22 @@ log = logging.getLogger("offload_compiler")
 
 
 def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None,
-               registrations: HostRegistrations | None = None) -> None:
+               registrations: HostRegistrations | None = None, stage_owners: bool = False) -> None:
     """Copy a group's leaves into one flat host buffer per dtype (pinned: the buffer, never a subclass's own
     ``pin_memory``) and point each leaf at its place in it, so the module keeps its parameters (a subclass
-    weight stays that subclass, and ``state_dict`` works) while one copy moves the group."""
+    weight stays that subclass, and ``state_dict`` works) while one copy moves the group. A leaf that cannot be
+    packed (`Bucket.owner`) keeps its storage; ``stage_owners`` (an accelerator) copies it into a staging buffer
+    of its own, pinned alike."""
+    staged = []
     for bi, bucket in enumerate(group.buckets):
         owner = bucket.owner
         if owner is not None and owner.value.device.type != "cpu":
             # a leaf on another device (a DTensor shard placed on a cuda mesh) goes to host memory
             owner.assign(owner.value.detach().to("cpu"))
-        if bucket.owner is not None or bucket.host is not None:
+        if bucket.host is not None or (owner is not None and not stage_owners):
             continue
         flat = torch.empty(bucket.numel, dtype=bucket.dtype)
-        members = [leaf for leaf in group.leaves if leaf.bucket == bi]
+        members = [owner] if owner is not None else [leaf for leaf in group.leaves if leaf.bucket == bi]
         with torch.no_grad():
             for leaf in members:
                 leaf.host_view(flat).copy_(leaf.value.detach())
@@ -44,11 +47,16 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
                 if on_pin_failure is None:
                     raise
                 on_pin_failure(str(exc))
-        for leaf in members:
-            leaf.assign(leaf.host_view(flat))
+        if owner is None:
+            for leaf in members:
+                leaf.assign(leaf.host_view(flat))
+        else:  # the leaf stays where it is (re-pointing it would break the sharing): the buffer is a copy
+            owner.host_version = owner.family_version()
+            staged.append(owner)
         bucket.host = flat
     for leaf in group.leaves:
         leaf.host_ptr = leaf.value.data_ptr()
+    group.staged = tuple(staged)
     group.packed = True
 
 
@@ -61,8 +69,10 @@ def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 
 def stamp(group: Group) -> tuple:
-    """Changes whenever a host weight of the group is modified in place or replaced."""
-    return tuple((leaf.value._version, leaf.value.data_ptr()) for leaf in group.leaves)
+    """Changes whenever a host weight of the group is modified in place or replaced; for a weight that shares its
+    storage (`Bucket.owner`), also when another weight over that storage is written (`Leaf.family`)."""
+    own = tuple((leaf.value._version, leaf.value.data_ptr()) for leaf in group.leaves)
+    return (own, tuple(leaf.family_version() for leaf in group.owners)) if group.owners else own
 
 
 class HostStore:
@@ -76,6 +86,8 @@ class HostStore:
         if pin_memory and not self.pinned and is_accelerator(device):
             log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", device)
         self.groups = layout_groups(specs)
+        # a copy to an accelerator reads a pinned buffer, never the leaf's own pageable memory (see `Bucket`)
+        self.stage_owners = is_accelerator(device)
         self.registrations = HostRegistrations.for_device(device)
         # what the passes read: weight id -> (group, index in it); per group each weight's leaves
         self.group_of: dict[int, tuple[int, int]] = {
@@ -92,7 +104,7 @@ class HostStore:
     # -- packing ------------------------------------------------------------------------------------
     def pack(self, group: Group) -> None:
         with torch.inference_mode(False):  # deferred to the first call, which may run in inference mode
-            pack_group(group, self.pinned, self._pinning_failed, self.registrations)
+            pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners)
 
     def _pinning_failed(self, reason: str) -> None:
         """Pinned memory could not be had: keep going with pageable host memory, saying so once."""
@@ -107,16 +119,24 @@ class HostStore:
         for leaf in group.leaves:  # once per leaf per fetch: a plain weight's leaf is the weight itself
             if (leaf.value if leaf.path else leaf.tensor).data_ptr() != leaf.host_ptr:
                 self._repack(group, leaf)
+        for leaf in group.staged:  # not its buffer: a write in place, through it or another view of its
+            if leaf.family_version() != leaf.host_version:  # storage, shows in their versions only
+                self._repack(group, leaf)
 
     def _repack(self, group: Group, leaf: Leaf) -> None:
-        if group.buckets[leaf.bucket].owner is None:  # an owner bucket is read from the leaf itself
-            if self.streams is not None:  # a queued copy (of this call, or carried from the last) may still read it
-                self.streams.wait_for_copies()
-            view = leaf.host_view(group.buckets[leaf.bucket].host)
-            with torch.no_grad():
-                view.copy_(leaf.value.detach())
+        bucket = group.buckets[leaf.bucket]
+        if bucket.host is None:  # an owner bucket without staging (the CPU) is read from the leaf itself
+            return
+        if self.streams is not None:  # a queued copy (of this call, or carried from the last) may still read it
+            self.streams.wait_for_copies()
+        view = leaf.host_view(bucket.host)
+        with torch.no_grad():
+            view.copy_(leaf.value.detach())
+        if bucket.owner is None:
             leaf.assign(view)
-            leaf.host_ptr = leaf.value.data_ptr()
+        else:  # a staging copy: the leaf keeps its storage
+            leaf.host_version = leaf.family_version()
+        leaf.host_ptr = leaf.value.data_ptr()
 
     def unpack(self) -> None:
         """Give every weight its own storage again (the undo of packing); the host buffers are unregistered
@@ -131,8 +151,8 @@ class HostStore:
             self.registrations.unregister_all()  # before the buffers can be freed
         for group in self.groups:
             for bucket in group.buckets:
-                if bucket.owner is None:
-                    bucket.host = None
+                bucket.host = None
+            group.staged = ()
             group.packed = False
 
     # -- layout questions of the backend --------------------------------------------------------------

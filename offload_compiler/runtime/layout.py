@@ -19,7 +19,8 @@ class Leaf:
     """Where one plain tensor of a weight sits inside its group's flat buffer of one dtype: the weight itself,
     or an inner tensor (at ``path``) of a tensor-subclass weight (quantized data, scales; a DTensor's shard).
     ``stride`` is its layout in the buffer: its own where that is dense (channels_last, transposed; the graph
-    views it so), else contiguous; ``own_stride`` is what unpack restores."""
+    views it so), else contiguous; ``own_stride`` is what unpack restores; ``host_ptr`` its data when packed
+    (a leaf given new data since is copied in again before the next fill)."""
     tensor: torch.Tensor  # the weight
     path: Path
     bucket: int
@@ -29,10 +30,17 @@ class Leaf:
     numel: int
     own_stride: tuple[int, ...]
     host_ptr: int = 0
+    # a leaf that cannot be packed: every such leaf over its storage (itself included), whose versions when its
+    # staging copy was made are ``host_version`` (a write through any of them changes its bytes)
+    family: tuple["Leaf", ...] = dataclasses.field(default=(), repr=False, compare=False)
+    host_version: tuple[int, ...] = ()
 
     @property
     def value(self) -> torch.Tensor:
         return leaf_at(self.tensor, self.path)
+
+    def family_version(self) -> tuple[int, ...]:
+        return tuple(leaf.value._version for leaf in self.family)
 
     def assign(self, value: torch.Tensor) -> None:
         set_leaf(self.tensor, self.path, value)
@@ -54,8 +62,10 @@ class Slot:
 
 @dataclasses.dataclass
 class Bucket:
-    """One flat host buffer (one dtype) of a group; ``owner`` is set for a leaf that cannot be packed
-    (it shares storage with another tensor), which is then copied from the leaf itself."""
+    """One flat host buffer (one dtype) of a group. ``owner`` is set for a leaf that cannot be packed (it shares
+    storage with another tensor, so it keeps its own): on an accelerator ``host`` is then a staging copy of it,
+    pinned as the other buffers are, so a fill never copies from the leaf's pageable memory (which blocks the
+    host, and cannot be captured into a graph); on the CPU the fill copies from the leaf itself."""
     dtype: torch.dtype
     numel: int
     host: torch.Tensor | None
@@ -66,7 +76,8 @@ class Bucket:
         return self.numel * self.dtype.itemsize
 
     def source(self) -> torch.Tensor:
-        return self.host if self.owner is None else self.owner.value.detach().reshape(-1)
+        """What a fill copies from: the flat buffer (an owner's staging copy), else the owner leaf itself."""
+        return self.host if self.host is not None else self.owner.value.detach().reshape(-1)
 
 
 @dataclasses.dataclass
@@ -78,6 +89,7 @@ class Group:
     buckets: list[Bucket]
     exclusive: bool = False
     packed: bool = False
+    staged: tuple[Leaf, ...] = ()  # the owner leaves copied through a staging buffer (set by packing)
 
     @functools.cached_property
     def nbytes(self) -> int:  # the buckets' sizes are fixed by layout_group
@@ -86,6 +98,10 @@ class Group:
     @functools.cached_property
     def leaves(self) -> list[Leaf]:  # fixed by layout_group
         return [leaf for slot in self.slots for leaf in slot.leaves]
+
+    @functools.cached_property
+    def owners(self) -> tuple[Leaf, ...]:  # the leaves that could not be packed (`Bucket.owner`)
+        return tuple(b.owner for b in self.buckets if b.owner is not None)
 
 
 def overlapping(tensors: list[torch.Tensor]) -> set[int]:
@@ -150,10 +166,19 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
 
 def layout_groups(specs: list[GroupSpec]) -> list[Group]:
     """The layout of every group of a model; leaves that share bytes with another leaf (views of one fused
-    weight) are not packed (see `Bucket`)."""
+    weight) are not packed (see `Bucket`), and know the others over their storage (`Leaf.family`)."""
     unpackable = overlapping([leaf_at(w.tensor, path) for spec in specs for w in spec.weights
                               for path in leaf_paths(w.tensor)])
-    return [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
+    groups = [layout_group(i, spec, unpackable) for i, spec in enumerate(specs)]
+    families: dict[int, list[Leaf]] = {}
+    for group in groups:
+        for bucket in group.buckets:
+            if bucket.owner is not None:
+                families.setdefault(bucket.owner.value.untyped_storage().data_ptr(), []).append(bucket.owner)
+    for family in families.values():
+        for leaf in family:
+            leaf.family = tuple(family)
+    return groups
 
 
 def weight_layout(slot: Slot) -> tuple:
