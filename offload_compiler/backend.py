@@ -28,7 +28,6 @@ from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .host_masters import OnDemand, with_host_masters
 from .runtime import OffloadRuntime, is_accelerator, size_class
-from .subclasses import leaf_nbytes
 
 OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
                  "offload_compile(model, policy)")
@@ -60,25 +59,16 @@ def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, m
 
 
 def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True,
-                  specs: list[GroupSpec] | None = None) -> OffloadRuntime:
+                  specs: list[GroupSpec] | None = None, name: str | None = None) -> OffloadRuntime:
     """The runtime of ``model`` under ``policy`` (groups from `plan_groups` unless a planner chose ``specs``):
-    grouped weights packed into host buffers (now, or at their first fetch), the others moved to the device."""
+    grouped weights packed into host buffers (now, or at their first fetch), the others moved to the device.
+    ``name`` (in messages and plans) defaults to the model's class name."""
     specs = plan_groups(model, policy) if specs is None else specs
     _unmanaged_to_device(model, specs, policy, move=pack_now)
     on_demand = OnDemand()
     if pack_now and is_accelerator(policy.torch_device):  # see host_masters: no host read, by construction
         specs = with_host_masters(model, specs, policy.torch_device, weakref.ref(on_demand))
-    runtime = OffloadRuntime(policy, specs, type(model).__name__, pack_now, on_demand)
-    managed = {id(w.tensor) for spec in specs for w in spec.weights}
-    seen: set[int] = set()
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if id(tensor) not in managed and id(tensor) not in seen:
-            seen.add(id(tensor))
-            runtime.unmanaged_bytes += leaf_nbytes(tensor)
-    runtime.unmanaged_ids = seen
-    runtime.model_ref = weakref.ref(model)
-    runtime.keep_state_dicts_plain(model)
-    return runtime
+    return OffloadRuntime(policy, specs, name or type(model).__name__, pack_now, model=model, on_demand=on_demand)
 
 
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime
@@ -143,9 +133,7 @@ class Variant:
 def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Variant:
     _refuse_parameters_added_later(gm, example_inputs, runtime)
     new_gm, num_outputs, plan = rewrite_graph(gm, example_inputs, runtime)
-    runtime.graph_plans.append(plan)
-    runtime.plan_calls.append(0)
-    index = len(runtime.graph_plans) - 1
+    index = runtime.add_graph_plan(plan)
     if runtime.policy.compiler == "inductor":
         return Variant(compile_for_inductor(new_gm, example_inputs, runtime, num_outputs), num_outputs, None,
                        plan.carry_keys, index)
@@ -200,10 +188,7 @@ class GraphRunner:
         with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
             ids = self._ids(args)
             variant = self._variants.get(ids) or self._variant_for(args, ids, rt)
-            rt.graph_calls += 1
-            rt.plan_calls[variant.plan_index] += 1
-            rt.begin_graph(variant.carry_keys)
-            rt.group_remap = variant.remap
+            rt.begin_call(variant.plan_index, variant.carry_keys, variant.remap)
             try:
                 out = variant.run(*args)
             except BaseException as exc:
@@ -213,7 +198,7 @@ class GraphRunner:
                 traceback.clear_frames(exc.__traceback__.tb_next if exc.__traceback__ else None)
                 raise
             finally:
-                rt.group_remap = None
+                rt.end_call()
         return out[0] if variant.num_outputs < 0 else tuple(out[:variant.num_outputs])
 
 

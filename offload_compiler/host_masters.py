@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .storage import own_storage
+from .storage import own_storage, viewed
 
 aten = torch.ops.aten
 _DATA = torch.Tensor.data  # the ``.data`` descriptor: its setter reaches __torch_function__ as ``__set__``
@@ -110,7 +110,8 @@ class HostMaster(torch.Tensor):
         first = args[0] if args else None
         if isinstance(first, HostMaster):
             if func.is_view:  # a view of the weight is a view of its host bytes, still on the compute device
-                return HostMaster(func(first.host, *args[1:], **kwargs), first.device, first.account)
+                # taken of the tensor the bytes were cut from (the same elements): storage sharing stays visible
+                return HostMaster(func(viewed(first.host), *args[1:], **kwargs), first.device, first.account)
             if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
                 return func(first.host, **{"device": first.device, **kwargs})
             if func._schema.is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change

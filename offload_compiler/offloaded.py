@@ -904,8 +904,7 @@ def offload_pipeline(pipeline: Any, policy: OffloadPolicy) -> OffloadState:
         if policy.strategy == "auto":
             unplanned = [path for path in pipeline_streamed(modules, name) if path in DIT_MODULES]
     else:
-        runtime = build_runtime(modules, policy)
-        runtime.model_name = name
+        runtime = build_runtime(modules, policy, name=name)
     state = OffloadState(pipeline, policy, runtime, modules=modules, unplanned=unplanned)
     _attach(pipeline, state, list(modules.children()))
     install_forwards(modules, state)
@@ -923,9 +922,7 @@ def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans
     if plans:
         prefetch = min(plan.prefetch for plan in plans.values())
         policy = policy.replace(prefetch=prefetch, prefetch_next_call=policy.prefetch_next_call and prefetch > 0)
-    runtime = build_runtime(modules, policy, specs=component_block_groups(modules, paths, policy, planned))
-    runtime.model_name = name
-    return runtime
+    return build_runtime(modules, policy, specs=component_block_groups(modules, paths, policy, planned), name=name)
 
 
 def _within(policy: OffloadPolicy, path: str) -> OffloadPolicy:

@@ -21,3 +21,9 @@ def span(tensor: torch.Tensor) -> int:
     if tensor.numel() == 0:
         return 0
     return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def viewed(value: torch.Tensor) -> torch.Tensor:
+    """The tensor an `own_storage` alias was cut from (its storage is the one other tensors may share), else
+    ``value`` itself."""
+    return getattr(value, "_offload_base", value)

@@ -138,4 +138,4 @@ def rebuild_weight(leaves: list[torch.Tensor], runtime_id: int, group: int, slot
     """Graph node: the subclass weight of ``slot`` rebuilt around its fetched leaves (views of a device slot).
     Under inductor it is traced once, when compiled; eagerly it runs per call."""
     rt = runtime_by_id(runtime_id)
-    return rebuild(rt.rebuild_specs[(rt._actual(group), slot)], iter(leaves))
+    return rebuild(rt.rebuild_specs[(rt.actual_group(group), slot)], iter(leaves))

@@ -38,6 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("offload_compiler.offloaded", "offload_compiler.api", "offload_compiler")),
     ("top", ("offload_compiler.cli", "offload_compiler.__main__", "offload_compiler.testing")),
 ]
+# the runtime package's modules, lowest first: each imports only modules before it (its __init__ re-exports them)
+RUNTIME_ORDER = ["device", "layout", "slots", "pinning", "host", "stats", "transfers", "facade"]
 # modules that import nothing of the package
 LEAVES = {"offload_compiler.policy", "offload_compiler.errors"}
 # the only modules allowed to import offload_compiler.testing (demo models, hypothesis helpers)
@@ -107,8 +109,12 @@ def _imports_of(module: str) -> list[Import]:
                 names = [f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in MODULES else stem for alias in child.names]
             for name in names:
                 if name == PACKAGE or name.startswith(PACKAGE + "."):
-                    for target in _resolve(name):
-                        if target != module:
+                    loaded = _resolve(name)
+                    for target in loaded:
+                        # a package enclosing ``module`` on the way to a sibling is loaded already while
+                        # ``module`` runs (importing ``.device`` from ``runtime/host.py`` does not run
+                        # ``runtime/__init__`` again); importing a name from that package itself still counts
+                        if target != module and not (target != loaded[-1] and module.startswith(target + ".")):
                             found.append(Import(module, target, child.lineno, in_function))
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
@@ -234,6 +240,16 @@ def test_module_level_imports_flow_down_the_layers():
                        f"{LAYERS[layer_of(imp.target)][0]!r}")
     assert not bad, "imports must flow " + " -> ".join(name for name, _ in reversed(LAYERS)) + ":\n  " + \
         "\n  ".join(bad)
+
+
+def test_runtime_modules_import_down_their_order():
+    runtime = [m for m in MODULES if m.startswith("offload_compiler.runtime.")]
+    assert sorted(m.rsplit(".", 1)[1] for m in runtime) == sorted(RUNTIME_ORDER), "list every runtime module"
+    rank = {f"offload_compiler.runtime.{name}": i for i, name in enumerate(RUNTIME_ORDER)}
+    bad = [str(imp) for imp in IMPORTS if imp.source in rank and imp.target in rank
+           and rank[imp.target] >= rank[imp.source]]
+    bad += [str(imp) for imp in IMPORTS if imp.source in rank and imp.target == "offload_compiler.runtime"]
+    assert not bad, "runtime modules import only those before them in RUNTIME_ORDER:\n  " + "\n  ".join(bad)
 
 
 @pytest.mark.parametrize("lower, higher", [("offload_compiler.passes.insert", "offload_compiler.backend"),

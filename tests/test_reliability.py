@@ -146,6 +146,42 @@ def test_host_buffers_are_unregistered_exactly_once_before_their_memory_is_freed
     _assert_whole(model, snapshot, x, expected)
 
 
+class _SharedRows(nn.Module):
+    """Two weights over overlapping rows of one tensor: neither can be packed without breaking the sharing."""
+
+    def __init__(self):
+        super().__init__()
+        base = torch.randn(8, 8)
+        self.a, self.b = nn.Parameter(base[:6]), nn.Parameter(base[2:])
+
+    def forward(self, x):
+        return (x @ self.a.T) * (x @ self.b.T)
+
+
+def test_weights_sharing_bytes_are_copied_from_a_registered_staging_buffer(monkeypatch):
+    """Defect 11: on CUDA, a copy of weights that share bytes reads a staging buffer pinned in place like every
+    other host buffer (registered at its exact size), never their own pageable memory; the weights keep their
+    storage, and the buffer is unregistered when the runtime unpacks."""
+    from offload_compiler.grouping import plan_groups
+    from offload_compiler.runtime import OffloadRuntime
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    model = _SharedRows()
+    snapshot = _snapshot(model)
+    policy = OffloadPolicy(strategy="sequential", **CPU)
+    object.__setattr__(policy, "device", "cuda")
+    runtime = OffloadRuntime(policy, plan_groups(model, policy))
+    owners = [b for g in runtime.groups for b in g.buckets if b.owner is not None]
+    assert len(owners) == 2 and runtime.pinned
+    for bucket in owners:
+        assert bucket.source() is bucket.host
+        assert cudart.registered[bucket.host.data_ptr()] == bucket.host.untyped_storage().nbytes() == 6 * 8 * 4
+    assert model.a.untyped_storage().data_ptr() == model.b.untyped_storage().data_ptr()  # still shared
+    runtime.unpack()
+    assert sorted(cudart.unregistered) == sorted(cudart.registered)
+    _assert_whole(model, snapshot)
+
+
 @pytest.mark.parametrize("make_bad, why", [
     (lambda m: m.register_buffer("q", torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)), "quantized"),
     (lambda m: setattr(m, "ghost", nn.Parameter(torch.empty(4, device="meta"))), "meta device"),

@@ -476,3 +476,57 @@ def test_a_registered_method_fetches_the_weight_it_reads_directly_on_the_device(
         torch.testing.assert_close(m.project(x.to(DEVICE)).cpu(), expected)
     assert offload_stats(m).on_demand_bytes == 0
     assert offload_stats(m).bytes_transferred == held["blocks.0"] + held["proj"]
+
+
+class _SharedBytes(nn.Module):
+    """A weight of the model and one of its first block over overlapping rows of one storage, made as
+    ``torch.load`` makes tensors that shared a storage (no view relation, so no shared version counter): neither
+    can be packed into a host buffer without breaking the sharing (`runtime.layout.Bucket.owner`)."""
+
+    def __init__(self):
+        super().__init__()
+        storage = torch.randn(8, 8).untyped_storage()
+        rows = lambda first: torch.empty(0).set_(storage, first * 8, (6, 8), (8, 1))  # noqa: E731
+        self.a = nn.Parameter(rows(0))  # rows 0-5
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.blocks[0].b = nn.Parameter(rows(2))  # rows 2-7
+
+    def forward(self, x):
+        gate = x @ self.blocks[0].b.T  # read first: the copy carried to the next call is blocks.0's
+        return self.blocks[1](self.blocks[0](x @ self.a.T) * gate)
+
+
+def _shared_bytes():
+    torch.manual_seed(0)
+    return _SharedBytes().eval()
+
+
+def test_weights_sharing_bytes_are_copied_from_a_staging_buffer():
+    """Defect 11: weights that share bytes keep their own storage, and a copy to the device reads a staging
+    buffer of theirs, not their pageable memory (which blocks the host, and cannot be captured): pinned where the
+    device can pin -- this simulator has no pinned memory, so ``pinned`` is False here; tests/test_reliability.py
+    shows the buffer registered for CUDA. A write through one of them, in another group, makes the other's copy
+    carried for the next call stale and refreshes its staging copy before its next fill (after the copies in
+    flight)."""
+    model, x = _shared_bytes(), torch.randn(3, 8)
+    m = offload_compile(_shared_bytes(), _policy(prefetch=1, prefetch_next_call=True))
+    runtime, xd = m._offload_runtime, x.to(DEVICE)
+    for _ in range(2):
+        torch.testing.assert_close(m(xd).cpu(), _plain(model, x))
+    owners = {g.name: b for g in runtime.groups for b in g.buckets if b.owner is not None}
+    assert sorted(owners) == ["(root)", "blocks.0"] and not runtime.pinned
+    for bucket in owners.values():
+        assert bucket.source() is bucket.host  # what the fill copies from
+        assert bucket.host.untyped_storage().data_ptr() != bucket.owner.value.untyped_storage().data_ptr()
+    assert offload_stats(m).carried_bytes > 0  # a copy for the next call is in flight
+    carried = {runtime.groups[c.group].name for c in runtime.transfers._carried.values()}
+    assert "blocks.0" in carried and "(root)" not in carried
+    with torch.no_grad():  # changes blocks.0.b's rows 2-5 too, though not its version
+        m.a.mul_(2)
+        model.a.mul_(2)
+    hits = offload_stats(m).carry_hits
+    for _ in range(2):
+        torch.testing.assert_close(m(xd).cpu(), _plain(model, x))
+    assert offload_stats(m).carry_hits == hits + 1  # the stale carried copy was copied again; the next was not
+    plain = remove_offload(m)
+    assert plain.a.untyped_storage().data_ptr() == plain.blocks[0].b.untyped_storage().data_ptr()  # still shared

@@ -1,0 +1,193 @@
+"""The host store: the model's offloaded weights packed into flat host buffers, one per group and dtype
+(pinned where the device can pin), the weights themselves left as views into them. It packs (now, or at a
+group's first fetch), copies a weight given new data back into its buffer before the buffer is read, answers
+the passes' questions about the layout (`group_of`, `layout`, `remap_between`), and unpacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..grouping import GroupSpec
+from ..host_masters import HostMaster, release_masters
+from ..storage import viewed
+from .device import DeviceStreams, is_accelerator
+from .layout import Group, Leaf, dense_layout, layout_groups, weight_layout
+from .pinning import HostRegistrations, PinningUnavailable, can_pin, pin_exact
+
+log = logging.getLogger("offload_compiler")
+
+
+def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None,
+               registrations: HostRegistrations | None = None, stage_owners: bool = False) -> None:
+    """Copy a group's leaves into one flat host buffer per dtype (pinned: the buffer, never a subclass's own
+    ``pin_memory``) and point each leaf at its place in it, so the module keeps its parameters (a subclass
+    weight stays that subclass, and ``state_dict`` works) while one copy moves the group. A leaf that cannot be
+    packed (`Bucket.owner`) keeps its storage; ``stage_owners`` (an accelerator) copies it into a staging buffer
+    of its own, pinned alike."""
+    staged = []
+    for bi, bucket in enumerate(group.buckets):
+        owner = bucket.owner
+        if owner is not None and owner.value.device.type != "cpu":
+            # a leaf on another device (a DTensor shard placed on a cuda mesh) goes to host memory
+            owner.assign(owner.value.detach().to("cpu"))
+        if bucket.host is not None or (owner is not None and not stage_owners):
+            continue
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+        members = [owner] if owner is not None else [leaf for leaf in group.leaves if leaf.bucket == bi]
+        with torch.no_grad():
+            for leaf in members:
+                leaf.host_view(flat).copy_(leaf.value.detach())
+        if pin:
+            try:
+                flat = pin_exact(flat, registrations)
+            except PinningUnavailable as exc:
+                if on_pin_failure is None:
+                    raise
+                on_pin_failure(str(exc))
+        if owner is None:
+            for leaf in members:
+                leaf.assign(leaf.host_view(flat))
+        else:  # the leaf stays where it is (re-pointing it would break the sharing): the buffer is a copy
+            owner.host_version = owner.family_version()
+            staged.append(owner)
+        bucket.host = flat
+    for leaf in group.leaves:
+        leaf.host_ptr = leaf.value.data_ptr()
+    group.staged = tuple(staged)
+    group.packed = True
+
+
+def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """A packed leaf copied into storage of its own, with the strides it had before packing (channels_last,
+    a transposed view's layout) where those describe a dense tensor; contiguous otherwise (expanded weights)."""
+    if not dense_layout(tuple(packed.shape), stride):
+        return packed.clone(memory_format=torch.contiguous_format)
+    return torch.empty_strided(packed.shape, stride, dtype=packed.dtype).copy_(packed)
+
+
+def stamp(group: Group) -> tuple:
+    """Changes whenever a host weight of the group is modified in place or replaced; for a weight that shares its
+    storage (`Bucket.owner`), also when another weight over that storage is written (`Leaf.family`)."""
+    own = tuple((leaf.value._version, leaf.value.data_ptr()) for leaf in group.leaves)
+    return (own, tuple(leaf.family_version() for leaf in group.owners)) if group.owners else own
+
+
+class HostStore:
+    """The host side of one runtime: every group's layout and host buffers. ``streams`` (None without streams)
+    is waited for before the host writes a buffer that a queued copy may still read."""
+
+    def __init__(self, specs: list[GroupSpec], device: torch.device, pin_memory: bool,
+                 streams: DeviceStreams | None) -> None:
+        self.streams = streams
+        self.pinned = pin_memory and can_pin(device)
+        if pin_memory and not self.pinned and is_accelerator(device):
+            log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", device)
+        self.groups = layout_groups(specs)
+        # a copy to an accelerator reads a pinned buffer, never the leaf's own pageable memory (see `Bucket`)
+        self.stage_owners = is_accelerator(device)
+        self.registrations = HostRegistrations.for_device(device)
+        # what the passes read: weight id -> (group, index in it); per group each weight's leaves
+        self.group_of: dict[int, tuple[int, int]] = {
+            id(slot.tensor): (g.index, si) for g in self.groups for si, slot in enumerate(g.slots)}
+        self.layout = {g.index: [weight_layout(s) for s in g.slots] for g in self.groups}
+        # tensor-subclass weights (quantized, DTensor): rebuilt in the graph around their fetched leaves
+        self.rebuild_specs = {(g.index, si): s.rebuild for g in self.groups for si, s in enumerate(g.slots)
+                              if s.rebuild is not None}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    # -- packing ------------------------------------------------------------------------------------
+    def pack(self, group: Group) -> None:
+        with torch.inference_mode(False):  # deferred to the first call, which may run in inference mode
+            pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners)
+
+    def _pinning_failed(self, reason: str) -> None:
+        """Pinned memory could not be had: keep going with pageable host memory, saying so once."""
+        self.pinned = False
+        warnings.warn(f"offload_compiler: pinned host memory is unavailable ({reason}); weights stay in pageable "
+                      f"memory, so host-to-device copies are slower and not asynchronous", RuntimeWarning,
+                      stacklevel=2)
+
+    def refresh(self, group: Group) -> None:
+        """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
+        flat buffer."""
+        for leaf in group.leaves:  # once per leaf per fetch: a plain weight's leaf is the weight itself
+            if leaf.value.data_ptr() != leaf.host_ptr:
+                self._repack(group, leaf)
+        for leaf in group.staged:  # not its buffer: a write in place, through it or another view of its
+            if leaf.family_version() != leaf.host_version:  # storage, shows in their versions only
+                self._repack(group, leaf)
+
+    def _repack(self, group: Group, leaf: Leaf) -> None:
+        bucket = group.buckets[leaf.bucket]
+        if bucket.host is None:  # an owner bucket without staging (the CPU) is read from the leaf itself
+            return
+        if self.streams is not None:  # a queued copy (of this call, or carried from the last) may still read it
+            self.streams.wait_for_copies()
+        view = leaf.host_view(bucket.host)
+        with torch.no_grad():
+            view.copy_(leaf.value.detach())
+        if bucket.owner is None:
+            leaf.assign(view)
+        else:  # a staging copy: the leaf keeps its storage
+            leaf.host_version = leaf.family_version()
+        leaf.host_ptr = leaf.value.data_ptr()
+
+    def unpack(self, model: nn.Module | None) -> None:
+        """Give every weight its own storage again (the undo of packing), host masters in ``model`` as plain
+        tensors; the host buffers are unregistered before they can be freed. The caller has waited for the
+        copies that read them."""
+        masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in self.groups:
+            if not group.packed:
+                continue
+            for leaf in group.leaves:
+                owned = group.buckets[leaf.bucket].owner is not None  # never packed: its bytes are its own
+                own = viewed(leaf.value) if owned else _own_copy(leaf.value.detach(), leaf.own_stride)
+                if isinstance(leaf.tensor, HostMaster):
+                    masters[id(leaf.tensor)] = (leaf.tensor, own)
+                elif not owned:
+                    leaf.assign(own)
+        if masters and model is not None:
+            release_masters(model, masters)
+        if self.registrations is not None:
+            self.registrations.unregister_all()  # before the buffers can be freed
+        for group in self.groups:
+            for bucket in group.buckets:
+                bucket.host = None
+            group.staged = ()
+            group.packed = False
+
+    # -- layout questions of the backend --------------------------------------------------------------
+    def _same_layout(self, a: int, b: int) -> bool:
+        """Groups whose weights sit alike in buffers alike and are rebuilt alike: a graph of one runs the other."""
+        def signature(group: Group) -> tuple:
+            return (group.streamed, tuple(self.layout[group.index]),
+                    tuple((b.dtype, b.numel, b.owner is None) for b in group.buckets))
+        ga, gb = self.groups[a], self.groups[b]
+        return signature(ga) == signature(gb) and all(
+            sa.rebuild is None if sb.rebuild is None else sb.rebuild.matches(sa.rebuild)
+            for sa, sb in zip(ga.slots, gb.slots))
+
+    def remap_between(self, passed: list, compiled_ids: tuple) -> dict[int, int] | None:
+        """Group ids mapping the weights a graph was compiled with onto the weights it is called with, when
+        every weight sits in the same slot of a group with the same layout; None otherwise."""
+        remap: dict[int, int] = {}
+        for tensor, compiled_id in zip(passed, compiled_ids):
+            now = self.group_of.get(id(tensor))
+            then = self.group_of.get(compiled_id)  # the compiled-with weights are alive: dynamo holds them
+            if now is None or then is None or now[1] != then[1]:
+                return None
+            if remap.setdefault(then[0], now[0]) != now[0]:
+                return None
+            if not self._same_layout(then[0], now[0]):
+                return None
+        return remap

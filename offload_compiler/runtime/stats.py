@@ -1,0 +1,88 @@
+"""What a runtime reports: its counters as `OffloadStats` (bytes moved, the ledger's peak, what is held on the
+device now), and its plan for people (`describe`). Reads, never changes, the runtime's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .layout import Group
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadStats:
+    bytes_transferred: int
+    peak_resident_bytes: int
+    fetch_count: int
+    live_device_bytes: int  # device weight copies alive now
+    resident_bytes: int  # persistent device copies of resident groups held now
+    streamed_bytes: int  # weights of the groups that are streamed per use
+    total_bytes: int  # all weights of the model
+    parked_bytes: int = 0  # components kept on the device after their forward (alternating, model)
+    unmanaged_bytes: int = 0  # weights outside every group, living on the compute device
+    carried_bytes: int = 0  # prefetched by the last call for the next one (prefetch_next_call), held now
+    carry_hits: int = 0  # calls' first fetches served by the previous call's prefetch
+    on_demand_bytes: int = 0  # weights read outside an offloaded graph, each op's copy fetched for it alone
+
+    @property
+    def peak_device_weight_bytes(self) -> int:
+        """Peak of all weights on the device: the ledger's peak plus the weights that never leave it."""
+        return self.peak_resident_bytes + self.unmanaged_bytes
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        total = self.total_bytes + self.unmanaged_bytes
+        kept = f", {mib(self.unmanaged_bytes)} kept on the device" if self.unmanaged_bytes else ""
+        carried = (f"; {mib(self.carried_bytes)} prefetched for the next call ({self.carry_hits} used)"
+                   if self.carried_bytes or self.carry_hits else "")
+        carried += (f"; {mib(self.on_demand_bytes)} fetched on demand outside the offloaded graphs"
+                    if self.on_demand_bytes else "")
+        return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
+                f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
+                f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
+
+
+def describe(runtime) -> str:
+    """The plan of ``runtime`` (an `OffloadRuntime`) for people: each group's bytes and residency, and each
+    graph's fetches and peak."""
+    mib = lambda n: f"{n / 2**20:9.3f} MiB"  # noqa: E731
+    policy = runtime.policy
+    lines = [f"offload plan for {runtime.model_name}: strategy={policy.strategy} device={runtime.device} "
+             f"prefetch={policy.prefetch}{' (wraps to the next call)' if policy.prefetch_next_call else ''} "
+             f"compiler={policy.compiler} pinned={runtime.pinned}"
+             + (f" rank={torch.distributed.get_rank()}/{torch.distributed.get_world_size()} (bytes are this "
+                f"rank's)" if torch.distributed.is_available() and torch.distributed.is_initialized() else "")]
+    for g in runtime.groups:
+        lines.append(f"  group {g.index:3d} {g.name:<40s} {mib(g.nbytes)}  "
+                     f"{'streamed' if g.streamed else 'resident'}{_subclass_note(g)}")
+    for i, plan in enumerate(runtime.graph_plans):
+        v = plan.verified
+        carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
+        lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "
+                     f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
+                     f"{mib(v.streamed_peak_bytes)} streamed{carried}); device slots {mib(plan.pool_bytes)}")
+    pool = runtime.pool
+    if pool.slots:
+        lines.append(f"  device pool {mib(pool.nbytes)}: "
+                     + ", ".join(f"{len(slots)} x {mib(slots[0].nbytes).strip()}" for slots in pool.slots.values()))
+    resident = sum(g.nbytes for g in runtime.groups if not g.streamed)
+    total, unmanaged = runtime.total_bytes, runtime.unmanaged_bytes
+    lines.append(f"  total {mib(total + unmanaged)}: {mib(resident)} resident, {mib(total - resident)} streamed"
+                 + (f", {mib(unmanaged)} outside the groups (kept on the device)" if unmanaged else ""))
+    return "\n".join(lines)
+
+
+def _subclass_note(group: Group) -> str:
+    """For `describe`: the group's subclass weights, which move as their inner tensors."""
+    kinds: dict[tuple[str, str], int] = {}
+    for slot in group.slots:
+        if slot.rebuild is not None:
+            placements = getattr(slot.tensor, "placements", None)  # a DTensor's sharding
+            kind = (slot.rebuild.cls.__name__, f" ({'/'.join(map(str, placements))})" if placements else "")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if not kinds:
+        return ""
+    return "  (inner tensors of " + ", ".join(f"{n} {name} weights{detail}"
+                                              for (name, detail), n in sorted(kinds.items())) + ")"

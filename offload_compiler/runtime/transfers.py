@@ -1,0 +1,383 @@
+"""The transfer engine: what the graph's transfer ops do. A prefetch copies a group's host buffers into the
+device slot planned for its fetch key (or adopts the copy the previous call carried, or keeps a parked one),
+a wait hands the slot to compute, an evict frees it (or parks it); resident groups keep a slot of their own.
+It keeps the ledger, remaps group ids for a graph run on other layers' weights, releases what a failed call
+held, and injects faults for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from ..passes.fuse import EVICT as EVICT_STEP
+from ..passes.schedule import ADOPT, CARRY, FETCH
+from .device import DeviceStreams
+from .host import HostStore, stamp
+from .layout import Group
+from .slots import DevicePool, DeviceSlot, Ledger, size_class
+
+CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
+
+
+@dataclasses.dataclass
+class Fault:
+    stage: str
+    group: int | None
+    exception: BaseException
+    times: int
+
+
+class TransferPlan(NamedTuple):
+    """A fused transfer: (is_evict, group, a, b) steps with (poison, park) for an evict and (key, mode) for a
+    prefetch; then the wait for ``key`` of ``group``, or its resident copy when ``key`` is None."""
+    steps: tuple[tuple[bool, int, int, int], ...]
+    key: int | None
+    group: int
+
+
+@dataclasses.dataclass
+class Carried:
+    """A copy prefetched at the end of a call for the next call of the same graph."""
+    group: int
+    stamp: tuple  # the group's host weights when copied: a changed weight makes the copy stale
+    slot: DeviceSlot
+
+
+class TransferEngine:
+    """The device copies of one runtime's groups and the transfers between host and device. Every copy lands
+    in a pool slot planned for its fetch key (`plan_slots`); ``debug_poison`` fills evicted slots with NaN."""
+
+    def __init__(self, host: HostStore, device: torch.device, streams: DeviceStreams | None,
+                 debug_poison: bool) -> None:
+        self.host = host
+        self.groups = host.groups
+        self.device = device
+        self.streams = streams  # None without streams: copies then run in order on the one queue
+        self.debug_poison = debug_poison
+        self.captured = False  # a copy was issued inside a graph capture (see `_copy_on_stream`)
+        self.group_remap: dict[int, int] | None = None  # per call: compiled group -> group of the weights passed
+        self.used_groups: set[int] = set()  # groups a graph read in the current call (fetched or resident)
+        self.ledger = Ledger()
+        self.bytes_transferred = 0
+        self.fetch_count = 0
+        self.carry_hits = 0
+        self.pool = DevicePool(device, streams)
+        self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
+        self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
+        self._live: dict[int, DeviceSlot] = {}  # group -> slot waited for, not yet evicted (this call)
+        self._resident: dict[int, tuple[DeviceSlot, tuple]] = {}  # group -> its own slot, host stamp
+        self._parked: dict[int, tuple[DeviceSlot, tuple]] = {}
+        self._carried: dict[int, Carried] = {}  # fetch key -> copy made by the previous call
+        self._carry_used: set[int] = set()  # keys whose carried copy was taken at least once
+        self._carry_misses: dict[int, int] = {}  # keys whose carried copy was dropped unused, how often
+        self._faults: list[Fault] = []
+        self._fetch_keys = itertools.count(1)
+        self._transfer_plans: list[TransferPlan] = []  # see `plan_transfer`
+        self._transfer_plan_index: dict[TransferPlan, int] = {}
+
+    # -- planning, when a graph is compiled -----------------------------------------------------------
+    def new_fetch_key(self) -> int:
+        return next(self._fetch_keys)
+
+    def plan_slots(self, assignment: dict[int, tuple[int, int]]) -> None:
+        """Bind each fetch key to its pool slot: ``assignment`` maps key -> (group, slot index within the
+        group's size class), as the slot pass planned it; the pool grows to hold every slot named."""
+        for key, (group, index) in assignment.items():
+            self._slot_of[key] = self.pool.reserve(size_class(self.groups[group]), index + 1)[index]
+
+    def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
+        """Record a fused transfer of a compiled graph (`passes.fuse`): the evicts and prefetches of ``steps``
+        (kind, group, a, b), in order, then the wait for ``key`` (None: the resident copy of ``group``). Returns
+        its index for `run_transfer`; the graph passes one int per call instead of the steps."""
+        plan = TransferPlan(tuple((kind == EVICT_STEP, g, a, b) for kind, g, a, b in steps), key, group)
+        index = self._transfer_plan_index.get(plan)
+        if index is None:
+            index = self._transfer_plan_index[plan] = len(self._transfer_plans)
+            self._transfer_plans.append(plan)
+        return index
+
+    def transfer_group(self, plan: int) -> int:
+        """The group whose leaves `run_transfer` returns for ``plan`` (as compiled: before any remap)."""
+        return self._transfer_plans[plan].group
+
+    # -- filling and freeing slots ------------------------------------------------------------------
+    def _fill(self, slot: DeviceSlot, group: Group) -> DeviceSlot:
+        """Copy a group's host buffers into its slot (asynchronously on an accelerator); no allocation."""
+        if not group.packed:  # deferred while dynamo still traces the unpacked weights
+            self.host.pack(group)
+        self.host.refresh(group)
+        if self._faults:
+            self._maybe_fail("fetch", group.index)
+        if slot.group is not None:
+            self._vacate(slot)
+        self._copy_into(slot, group)
+        slot.group = group.index
+        self.ledger.occupy(slot.nbytes)
+        self.bytes_transferred += group.nbytes
+        self.fetch_count += 1
+        return slot
+
+    def _copy_into(self, slot: DeviceSlot, group: Group) -> None:
+        """The copy itself: on the copy stream on an accelerator, else here (`benchmarks/decode.py --decompose`
+        times calls without it)."""
+        buffers = slot.buffers
+        if slot.ready is not None:
+            self._copy_on_stream(slot, group)
+        else:
+            for buf, bucket in zip(buffers, group.buckets):
+                buf.copy_(bucket.source())
+
+    def _copy_on_stream(self, slot: DeviceSlot, group: Group) -> None:
+        """The copy stream refills a slot only after the compute that read its previous contents (the
+        slot's ``free`` event; inside a CUDA-graph capture, everything issued before, which also joins the
+        copy stream into the capture); compute waits on ``ready``."""
+        streams = self.streams
+        stream = streams.copy()
+        capturing = streams.capturing()
+        self.captured |= capturing
+        if self.captured:
+            # once a graph was captured, its replays (launched by the caller, unseen here) read and write slots
+            # between our calls, and events recorded inside the capture are nodes of its graph, not records:
+            # ``free`` no longer orders a refill after every reader, so the copy waits for all work issued
+            stream.wait_stream(streams.compute())
+        else:
+            stream.wait_event(slot.free)
+        slot.filled_in_capture = capturing
+        with streams.on(stream):
+            for buf, bucket in zip(slot.buffers, group.buckets):
+                buf.copy_(bucket.source(), non_blocking=True)
+        slot.ready.record(stream)
+
+    def _ready(self, slot: DeviceSlot) -> DeviceSlot:
+        if slot.ready is not None:
+            self.streams.compute().wait_event(slot.ready)
+        return slot
+
+    def _release(self, slot: DeviceSlot) -> None:
+        """The slot's copy is gone (evicted, dropped): free for the next fill once its readers finished."""
+        if slot.group is None:
+            return
+        slot.group = None
+        self.ledger.release(slot.nbytes)
+        if slot.free is not None:
+            slot.free.record(self.streams.compute())
+
+    def _vacate(self, slot: DeviceSlot) -> None:
+        """A slot about to be refilled still holds a copy kept between calls (a parked component, a copy
+        carried for another graph): that copy goes. A copy of the running call there is a planning bug."""
+        for group, (held, _) in list(self._parked.items()):
+            if held is slot:
+                del self._parked[group]
+        for key, carried in list(self._carried.items()):
+            if carried.slot is slot:
+                del self._carried[key]
+        if slot in self._pending.values() or slot in self._live.values():
+            raise AssertionError(f"device slot {slot.index} of {slot.size_class} refilled while in use")
+        self._release(slot)
+
+    # -- debug surface: fault injection -------------------------------------------------------------
+    def inject_fault(self, stage: str, group: int | None = None, exception: BaseException | None = None,
+                     times: int = 1) -> None:
+        """Raise ``exception`` at the next ``times`` ``stage`` events ("fetch" or "evict") of ``group`` (any
+        group if None): a failing copy, an interrupt in the middle of a forward."""
+        if stage not in ("fetch", "evict"):
+            raise ValueError(f"stage must be 'fetch' or 'evict'; got {stage!r}")
+        self._faults.append(Fault(stage, group, exception or RuntimeError(f"injected fault at {stage}"), times))
+
+    def _maybe_fail(self, stage: str, group: int) -> None:
+        for fault in self._faults:
+            if fault.stage == stage and fault.group in (None, group) and fault.times > 0:
+                fault.times -= 1
+                if fault.times == 0:
+                    self._faults.remove(fault)
+                raise fault.exception
+
+    # -- the transfer ops ---------------------------------------------------------------------------
+    def prefetch(self, key: int, group: int, mode: int = FETCH) -> None:
+        """FETCH: copy now; ADOPT: take the copy the previous call carried for ``key`` if still valid (same
+        group, host weights unchanged), else copy; CARRY: copy for the next call (prefetch wrap-around).
+        Every copy lands in the slot planned for ``key``."""
+        group = self.actual_group(group)
+        g = self.groups[group]
+        slot = self._slot_of[key]
+        # inside a graph capture, copies made before it cannot be waited for (their events were recorded outside
+        # it), and a copy for the next call would fork the copy stream out of the capture without a join: a
+        # captured call copies what it reads, and carries nothing. Nor does any call after a capture: replays
+        # (unseen here) write the same slots on the compute stream while a carried copy would be in flight
+        capturing = self.streams is not None and self.streams.capturing()
+        if mode == CARRY:
+            if (not capturing and not self.captured and self.group_remap is None
+                    and self._carry_misses.get(key, 0) < CARRY_MISSES_TO_STOP):
+                self._carried[key] = Carried(group, stamp(g), self._fill(slot, g))
+            return
+        if mode == ADOPT and not capturing and self._adopt(key, g):
+            return
+        if g.exclusive:  # alternating: other components leave before this one arrives
+            for other in [o for o in self._parked if o != group]:
+                self._unpark(other)
+        parked = self._parked.pop(group, None)
+        if parked is not None and parked[0] is slot and parked[1] == stamp(g) and not capturing:
+            self._pending[key] = slot
+            return
+        if parked is not None:
+            self._release(parked[0])
+        self._pending[key] = self._fill(slot, g)
+
+    def _adopt(self, key: int, group: Group) -> bool:
+        carried = self._carried.pop(key, None)
+        if carried is None:
+            return False
+        if carried.group == group.index and carried.stamp == stamp(group):
+            self._pending[key] = carried.slot
+            self._carry_used.add(key)
+            self.carry_hits += 1
+            return True
+        self._release(carried.slot)
+        return False
+
+    def _unpark(self, group: int) -> None:
+        self._release(self._parked.pop(group)[0])
+
+    def wait(self, key: int, group: int) -> list[torch.Tensor]:
+        """The group's slot, ready for compute: its flat buffers (the same tensors every call)."""
+        return self._wait(key, group).buffers
+
+    def wait_weights(self, key: int, group: int) -> tuple[torch.Tensor, ...]:
+        """As `wait`, but the group's weights themselves (made over the slot once): the eager path."""
+        slot = self._wait(key, group)
+        return slot.weights(self.groups[slot.group])
+
+    def run_transfer(self, plan: int) -> tuple[torch.Tensor, ...]:
+        """A planned transfer: its steps, then the group's leaves over its slot, ready for compute."""
+        steps, key, group = self._transfer_plans[plan]
+        for is_evict, other, a, b in steps:
+            if is_evict:
+                self.evict(other, a, b)
+            else:
+                self.prefetch(a, other, b)
+        slot = self._resident_slot(group) if key is None else self._wait(key, group)
+        return slot.leaves(self.groups[slot.group])
+
+    def _wait(self, key: int, group: int) -> DeviceSlot:
+        group = self.actual_group(group)
+        self.used_groups.add(group)
+        slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], self.groups[group])
+        self._live[group] = self._ready(slot)
+        return slot
+
+    def evict(self, group: int, poison: bool, park: bool = False) -> None:
+        group = self.actual_group(group)
+        if self._faults:
+            self._maybe_fail("evict", group)
+        slot = self._live.pop(group)
+        if park and not slot.filled_in_capture:  # latency-minimising: stays on the device until another
+            # component needs the room (not a copy a capture made: it exists only when the graph replays)
+            self._parked[group] = (slot, stamp(self.groups[group]))
+            return
+        if poison and self.debug_poison:
+            slot.poison()
+        self._release(slot)
+
+    def actual_group(self, group: int) -> int:
+        """The group a graph's ``group`` stands for in this call (a graph run on other layers' weights)."""
+        remap = self.group_remap
+        return group if remap is None else remap.get(group, group)
+
+    def resident(self, group: int) -> list[torch.Tensor]:
+        """The persistent device copy of a resident group (a slot of its own, outside the streamed pool),
+        refilled in place when a host weight changed."""
+        return self._resident_slot(group).buffers
+
+    def resident_weights(self, group: int) -> tuple[torch.Tensor, ...]:
+        slot = self._resident_slot(group)
+        return slot.weights(self.groups[slot.group])
+
+    def _resident_slot(self, group: int) -> DeviceSlot:
+        group = self.actual_group(group)
+        self.used_groups.add(group)
+        g = self.groups[group]
+        held = self._resident.get(group)
+        now = stamp(g)
+        # a copy a capture made exists only when its graph replays: outside a capture it is made again
+        if held is None or held[1] != now or (held[0].filled_in_capture and not self.streams.capturing()):
+            slot = held[0] if held is not None else DeviceSlot(size_class(g), self.device, -1, self.streams)
+            if held is not None:
+                self._release(slot)
+            self._resident[group] = (self._ready(self._fill(slot, g)), now)
+        return self._resident[group][0]
+
+    # -- between calls --------------------------------------------------------------------------------
+    def begin_graph(self, carry_keys: frozenset[int]) -> None:
+        """A graph is about to run: copies carried for another graph (the next call took a different graph:
+        new shapes, another component) go now, before this graph's own copies arrive. A key whose copies
+        keep going unused (two graphs alternating within one call) stops carrying."""
+        for key in [k for k in self._carried if k not in carry_keys]:
+            self._release(self._carried.pop(key).slot)
+            if key not in self._carry_used:
+                self._carry_misses[key] = self._carry_misses.get(key, 0) + 1
+
+    def abandon_pending(self) -> None:
+        """A call failed: its copies (prefetched and never waited for, waited for and never evicted) and the
+        copies carried for a next call are released, after their copies finished."""
+        if self.streams is not None:  # (a failure inside a capture keeps its own error: no synchronize there)
+            self.streams.wait_for_copies()
+        for slot in [*self._pending.values(), *self._live.values()]:
+            self._release(slot)
+        self._pending.clear()
+        self._live.clear()
+        self.release_carried()
+
+    def release_carried(self) -> int:
+        freed = sum(self.groups[c.group].nbytes for c in self._carried.values())
+        for carried in self._carried.values():
+            self._release(carried.slot)
+        self._carried.clear()
+        return freed
+
+    def release_resident(self) -> None:
+        for slot, _ in [*self._resident.values(), *self._parked.values()]:
+            self._release(slot)
+        self._resident.clear()
+        self._parked.clear()
+
+    def release_device_copies(self) -> int:
+        """Drop every device copy held between calls and the pool's memory (`OffloadRuntime`'s, which holds
+        the runtime's lock); returns the bytes of copies released."""
+        freed = self.release_carried() + sum(self.groups[g].nbytes for g in {*self._resident, *self._parked})
+        self.release_resident()
+        self._drop_free_slots()
+        return freed
+
+    def _drop_free_slots(self) -> None:
+        """The pool's memory goes too (its slots hold no copy between calls): the compute stream is ordered
+        after the copy stream first, so the allocator's reuse of the memory on it comes after every copy."""
+        if self.streams is not None:
+            self.streams.order_compute_after_copies()
+        for slots in self.pool.slots.values():
+            for slot in slots:
+                if slot.group is None:
+                    slot.drop_buffers()
+
+    def close(self) -> None:
+        """Drop every copy, the pool and the slot plan (the runtime unpacks): nothing is held on the device."""
+        self.abandon_pending()
+        self.release_resident()
+        self.pool.clear()
+        self._slot_of.clear()
+
+    # -- what the stats read ------------------------------------------------------------------------
+    def held_bytes(self) -> tuple[int, int, int]:
+        """Bytes of the copies held between calls: resident groups, parked components, carried copies."""
+        return (sum(self.groups[g].nbytes for g in self._resident),
+                sum(self.groups[g].nbytes for g in self._parked),
+                sum(self.groups[c.group].nbytes for c in self._carried.values()))
+
+    def reset_counters(self) -> None:
+        self.bytes_transferred = 0
+        self.fetch_count = 0
+        self.carry_hits = 0
+        self.ledger.reset_peak()
