@@ -4,6 +4,7 @@ None), the walk from a fetched weight back to its fetch, and the leaf index."""
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import pytest
@@ -13,10 +14,15 @@ import torch.fx as fx
 from offload_compiler import OffloadPolicy
 from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
+from offload_compiler.lowering import lower_for_eager
+from offload_compiler.passes.analysis import weight_inputs
+from offload_compiler.passes.fuse import fuse_transfers
 from offload_compiler.passes.nodes import (Evict, Prefetch, Rebuilt, Resident, Transfer, Wait, fetch_of, leaf_key,
                                            leaf_positions, leaf_views, plain_weight_slots, rebuilt_view, set_argument,
                                            transfer_view)
 from offload_compiler.passes.schedule import CARRY, FETCH
+from offload_compiler.passes.slots import slot_events
+from offload_compiler.passes.verify import verify
 from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.subclasses import rebuild_weight
 from offload_compiler.testing import BlockSpec, ModelSpec, build_block_model
@@ -229,3 +235,35 @@ def test_every_fetched_weight_and_every_evict_walks_back_to_its_own_fetch(policy
         layout = runtime.layout[fetch.group]
         for buffer in fetch.node.users:
             assert all(view.key in leaf_positions(layout) for view in leaf_views(buffer))
+
+
+def _as_keywords(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy with every transfer node's arguments passed by keyword (fx's own normalization, defaults included)."""
+    copied = copy.deepcopy(gm)
+    for node in copied.graph.nodes:
+        if transfer_view(node) is not None:
+            normalized = node.normalized_arguments(copied, normalize_to_only_use_kwargs=True)
+            if normalized is None:
+                pytest.skip("torch.fx cannot normalize the transfer ops' arguments on this torch")
+            node.args, node.kwargs = (), normalized.kwargs
+    copied.recompile()
+    return copied
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_the_passes_read_a_graph_of_keyword_transfer_nodes_as_the_positional_one(policy):
+    gm, inputs, rewritten, num_outputs, plan, runtime = _rewritten(policy)
+    keywords = _as_keywords(rewritten)
+    assert any(n.kwargs for n in keywords.graph.nodes) and keywords.code != rewritten.code
+    assert slot_events(keywords) == slot_events(rewritten)
+    weights = weight_inputs(gm, inputs, runtime.group_of)
+    group_bytes = {g.index: g.nbytes for g in runtime.groups}
+    assert verify(keywords, weights, group_bytes) == verify(rewritten, weights, group_bytes) == plan.verified
+    assert lower_for_eager(copy.deepcopy(keywords), runtime, num_outputs).code == lower_for_eager(
+        copy.deepcopy(rewritten), runtime, num_outputs).code
+    fused = [fuse_transfers(copy.deepcopy(g), runtime.plan_transfer, runtime.layout, num_outputs)
+             for g in (keywords, rewritten)]
+    # one runtime records both: a step decoded otherwise would have made a plan of its own, with another index
+    transfers = [[(v.runtime, v.plan, [d.name for d in v.deps]) for v in map(transfer_view, f.graph.nodes)
+                  if isinstance(v, Transfer)] for f in fused]
+    assert transfers[0] and transfers[0] == transfers[1]
