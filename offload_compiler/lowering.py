@@ -33,6 +33,8 @@ import torch.fx as fx
 from ._registry import runtime_by_id
 from .ops import transfer_direct
 from .passes.fuse import fuse_transfers
+from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
+                           transfer_view)
 from .runtime import OffloadRuntime
 from .subclasses import plain_leaves, rebuild_weight
 
@@ -56,38 +58,33 @@ def _direct_calls(runtime: OffloadRuntime) -> dict:
     def offload_resident(group: int) -> tuple:
         return ref().resident_weights(group)
 
-    return {OPS.prefetch.default: (offload_prefetch, lambda a: (a[2], a[1], a[4] if len(a) > 4 else 0)),
-            OPS.wait.default: (offload_wait, lambda a: (a[2], a[1])),
-            OPS.evict.default: (offload_evict, lambda a: (a[1], a[2], a[5] if len(a) > 5 else False)),
-            OPS.resident.default: (offload_resident, lambda a: (a[1],))}
-
-
-def _weight_index(layout: list[tuple[tuple, bool]]) -> dict[tuple, int]:
-    """(bucket, shape, stride, offset) of a plain weight's one leaf → the weight's place in its group (the
-    order of `DeviceSlot.weights`)."""
-    return {(bucket, tuple(shape), tuple(stride), offset): slot for slot, (leaves, rebuilt) in enumerate(layout)
-            if not rebuilt for bucket, shape, stride, offset in leaves}
+    # per transfer node's view: the direct call, and its arguments from the view
+    return {Prefetch: (offload_prefetch, lambda v: (v.key, v.group, v.mode)),
+            Wait: (offload_wait, lambda v: (v.key, v.group)),
+            Evict: (offload_evict, lambda v: (v.group, v.poison, v.park)),
+            Resident: (offload_resident, lambda v: (v.group,))}
 
 
 def lower_for_eager(gm: fx.GraphModule, runtime: OffloadRuntime, num_outputs: int) -> fx.GraphModule:
     """``gm`` (a rewritten, verified graph) with its transfer ops as direct runtime calls; see the module doc."""
     graph = gm.graph
     calls = _direct_calls(runtime)
-    gone: list[fx.Node] = []
+    gone: list[TransferView] = []
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in calls:
+        view = transfer_view(node)
+        if type(view) not in calls:  # not a transfer node (nor a fused transfer: those are inductor's)
             continue
-        fn, args_of = calls[node.target]
+        fn, args_of = calls[type(view)]
         with graph.inserting_before(node):
-            direct = graph.call_function(fn, args_of(node.args))
-        if node.target in (OPS.wait.default, OPS.resident.default):
-            _weights_from_slot(node, direct, _weight_index(runtime.layout[node.args[1]]))
-        gone.append(node)
+            direct = graph.call_function(fn, args_of(view))
+        if isinstance(view, (Wait, Resident)):
+            _weights_from_slot(node, direct, plain_weight_slots(runtime.layout[view.group]))
+        gone.append(view)
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
     output.args = (tuple(results[:num_outputs if num_outputs >= 0 else 1]),)
-    orderings = {a for node in gone if node.target is OPS.evict.default for a in node.args[4]}
-    for node in reversed(gone):  # erased consumers first: each has no users left by then
+    orderings = {a for view in gone if isinstance(view, Evict) for a in view.users}
+    for node in reversed([view.node for view in gone]):  # erased consumers first: each has no users left by then
         for user in list(node.users):
             if user.target is operator.getitem and not user.users:
                 graph.erase_node(user)
@@ -113,18 +110,15 @@ def _weights_from_slot(fetched: fx.Node, direct: fx.Node, weight_of: dict[tuple,
     """Each weight the insert pass made over the fetch's flat buffers (an ``as_strided`` view; a subclass
     rebuilt around its views by `rebuild_weight`) reads the slot's ready-made weight instead."""
     graph = fetched.graph
-    views = [view for item in fetched.users if item.target is operator.getitem
-             for view in item.users if view.target is torch.ops.aten.as_strided.default]
-    rebuilt = {user: None for view in views for user in view.users if user.target is rebuild_weight}
+    views = [view for item in fetched.users for view in leaf_views(item)]
+    rebuilt = {user: None for view in views for user in view.node.users if user.target is rebuild_weight}
     for node in rebuilt:
-        _replace(node, graph.call_function, (direct, node.args[3]))
+        _replace(node, graph.call_function, (direct, rebuilt_view(node).slot))
     for view in views:
-        if view.users:  # a plain weight
-            _, shape, stride, offset = view.args
-            _replace(view, graph.call_function,
-                     (direct, weight_of[(view.args[0].args[1], tuple(shape), tuple(stride), offset)]))
+        if view.node.users:  # a plain weight
+            _replace(view.node, graph.call_function, (direct, weight_of[view.key]))
         else:
-            graph.erase_node(view)
+            graph.erase_node(view.node)
 
 
 def _replace(node: fx.Node, call_function, index_args: tuple) -> None:

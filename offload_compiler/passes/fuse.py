@@ -26,33 +26,27 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .nodes import (Evict, Prefetch, Resident, Transfer, Wait, item_source, leaf_positions, leaf_views, set_argument,
+                    transfer_view)
+
 OPS = torch.ops.offload_compiler
 EVICT, PREFETCH = 0, 1  # a step: (kind, group, a, b) with (poison, park) for an evict and (key, mode) for a prefetch
 # records a transfer's (steps, key or None for a resident copy, group); returns the int the op passes
 PlanTransfer = Callable[[tuple, "int | None", int], int]
 
 
-def _step(node: fx.Node) -> tuple[int, int, int, int]:
-    if node.target is OPS.evict.default:
-        park = node.args[5] if len(node.args) > 5 else False
-        return EVICT, node.args[1], int(node.args[2]), int(park)
-    mode = node.args[4] if len(node.args) > 4 else 0
-    return PREFETCH, node.args[1], node.args[2], mode
+def _step(part: Evict | Prefetch) -> tuple[int, int, int, int]:
+    if isinstance(part, Evict):
+        return EVICT, part.group, int(part.poison), int(part.park)
+    return PREFETCH, part.group, part.key, part.mode
 
 
-def _deps(node: fx.Node) -> list[fx.Node]:
+def _deps(part: Evict | Prefetch | Wait) -> list[fx.Node]:
     """What a transfer op waits for, as graph values: a prefetch's and a wait's deps; an evict's buffers and
     readers."""
-    if node.target is OPS.evict.default:
-        return [*node.args[3], *node.args[4]]
-    return list(node.args[3])
-
-
-def leaf_indices(layout: list[tuple[tuple, bool]]) -> dict[tuple, int]:
-    """(bucket, shape, stride, offset) of each leaf of a group's weights (``layout``: per weight, its leaves
-    and whether it is rebuilt) → the leaf's place in the group's leaves (`DeviceSlot.leaves`)."""
-    flat = [leaf for leaves, _ in layout for leaf in leaves]
-    return {(bucket, tuple(shape), tuple(stride), offset): i for i, (bucket, shape, stride, offset) in enumerate(flat)}
+    if isinstance(part, Evict):
+        return [*part.buffers, *part.users]
+    return list(part.deps)
 
 
 def fuse_transfers(gm: fx.GraphModule, plan: PlanTransfer, layout: dict[int, list], num_outputs: int
@@ -63,17 +57,17 @@ def fuse_transfers(gm: fx.GraphModule, plan: PlanTransfer, layout: dict[int, lis
     pending: list[fx.Node] = []  # evicts and prefetches since the last op that cannot take them
     previous: fx.Node | None = None
     for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target in (OPS.evict.default, OPS.prefetch.default):
+        view = transfer_view(node)
+        if isinstance(view, (Evict, Prefetch)):
             pending.append(node)
-        elif node.target is OPS.resident.default:
-            runtime, group = node.args[:2]
+        elif isinstance(view, Resident):
             with graph.inserting_before(node):
-                transfer = graph.call_function(OPS.transfer.default, (runtime, plan((), None, group), []))
-            _read_leaves(node, transfer, leaf_indices(layout[group]))
-        elif node.target is OPS.wait.default:
-            previous = _fuse(graph, pending, node, previous, plan, layout)
+                transfer = graph.call_function(OPS.transfer.default, (view.runtime, plan((), None, view.group), []))
+            _read_leaves(node, transfer, leaf_positions(layout[view.group]))
+        elif isinstance(view, Wait):
+            # the parts are decoded when fused, as their args are then: each fusion rewrites what read the
+            # nodes it fused
+            previous = _fuse(graph, [transfer_view(part) for part in pending], view, previous, plan, layout)
             pending = []
     _drop_slot_outputs(graph, num_outputs)
     _drop_implied_deps(graph)
@@ -82,23 +76,23 @@ def fuse_transfers(gm: fx.GraphModule, plan: PlanTransfer, layout: dict[int, lis
     return gm
 
 
-def _fuse(graph: fx.Graph, parts: list[fx.Node], wait: fx.Node, previous: fx.Node | None, plan: PlanTransfer,
-          layout: dict[int, list]) -> fx.Node:
-    fused = set(parts) | {wait}
+def _fuse(graph: fx.Graph, parts: list[Evict | Prefetch], wait: Wait, previous: fx.Node | None,
+          plan: PlanTransfer, layout: dict[int, list]) -> fx.Node:
+    fused = {part.node for part in parts} | {wait.node}
     deps = [d for part in [*parts, wait] for d in _deps(part) if d not in fused]
     if previous is not None:  # in order after the previous fused op, even with no evict between them
         deps.append(previous)
     deps = list(dict.fromkeys(deps))
-    runtime, group, key = wait.args[:3]
     steps = tuple(_step(part) for part in parts)
-    with graph.inserting_before(wait):
-        transfer = graph.call_function(OPS.transfer.default, (runtime, plan(steps, key, group), deps))
-    transfer.meta.update(wait.meta)
-    first = _read_leaves(wait, transfer, leaf_indices(layout[group]))
+    with graph.inserting_before(wait.node):
+        transfer = graph.call_function(OPS.transfer.default,
+                                       (wait.runtime, plan(steps, wait.key, wait.group), deps))
+    transfer.meta.update(wait.node.meta)
+    first = _read_leaves(wait.node, transfer, leaf_positions(layout[wait.group]))
     for part in parts:  # later ops ordered after a fused evict or prefetch are ordered after the fused op
-        part.replace_all_uses_with(first)
+        part.node.replace_all_uses_with(first)
     for part in reversed(parts):
-        graph.erase_node(part)
+        graph.erase_node(part.node)
     return first
 
 
@@ -109,14 +103,12 @@ def _read_leaves(fetched: fx.Node, transfer: fx.Node, index: dict[tuple, int]) -
     with graph.inserting_after(transfer):
         first = graph.call_function(operator.getitem, (transfer, 0))
     for item in list(fetched.users):  # getitem(fetched, bucket)
-        for view in [u for u in item.users if u.target is torch.ops.aten.as_strided.default]:
-            _, shape, stride, offset = view.args
-            with graph.inserting_before(view):
-                leaf = graph.call_function(operator.getitem,
-                                           (transfer, index[(item.args[1], tuple(shape), tuple(stride), offset)]))
-            leaf.meta.update(view.meta)
-            view.replace_all_uses_with(leaf)
-            graph.erase_node(view)
+        for view in leaf_views(item):
+            with graph.inserting_before(view.node):
+                leaf = graph.call_function(operator.getitem, (transfer, index[view.key]))
+            leaf.meta.update(view.node.meta)
+            view.node.replace_all_uses_with(leaf)
+            graph.erase_node(view.node)
         item.replace_all_uses_with(first)
         graph.erase_node(item)
     graph.erase_node(fetched)
@@ -131,8 +123,8 @@ def _drop_implied_deps(graph: fx.Graph) -> None:
     transfer waits for one value instead of ten, and the readers between are freed as early as without offloading.
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
-    for transfer in [n for n in graph.nodes if n.target is OPS.transfer.default]:
-        deps = transfer.args[2]
+    for transfer in [view for view in map(transfer_view, graph.nodes) if isinstance(view, Transfer)]:
+        deps = transfer.deps
         if len(deps) < 2:
             continue
         earliest = min(order[d] for d in deps)
@@ -144,11 +136,7 @@ def _drop_implied_deps(graph: fx.Graph) -> None:
                 implied.add(node)
                 if order[node] > earliest:  # nothing earlier than the earliest dep can be one
                     stack.extend(node.all_input_nodes)
-        transfer.args = (*transfer.args[:2], [d for d in deps if d not in implied and not _leaf_of(d, implied)])
-
-
-def _leaf_of(node: fx.Node, transfers: set[fx.Node]) -> bool:
-    return node.target is operator.getitem and node.args[0] in transfers
+        set_argument(transfer.node, "deps", [d for d in deps if d not in implied and item_source(d) not in implied])
 
 
 def _drop_slot_outputs(graph: fx.Graph, num_outputs: int) -> None:
@@ -157,6 +145,10 @@ def _drop_slot_outputs(graph: fx.Graph, num_outputs: int) -> None:
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     kept = max(num_outputs, 1)
     results = output.args[0]
-    extras = [r for r in results[kept:] if not (isinstance(r, fx.Node) and r.target is operator.getitem
-                                                  and r.args[0].target is OPS.transfer.default)]
+    extras = [r for r in results[kept:] if not (isinstance(r, fx.Node) and _is_leaf_of_transfer(r))]
     output.args = (tuple(results[:kept]) + tuple(extras),)
+
+
+def _is_leaf_of_transfer(node: fx.Node) -> bool:
+    source = item_source(node)
+    return source is not None and isinstance(transfer_view(source), Transfer)

@@ -10,36 +10,26 @@ a carried copy's slot is kept free for it when another is free, and kept for it 
 
 from __future__ import annotations
 
-import operator
 from typing import Callable
 
-import torch
 import torch.fx as fx
 
+from .nodes import Evict, Prefetch, Wait, fetch_of, transfer_view
 from .schedule import ADOPT, CARRY
 
-OPS = torch.ops.offload_compiler
 Events = list[tuple[str, int, int, int]]  # (take | give, fetch key, group, prefetch mode or -1)
-
-
-def _wait_of(evict: fx.Node) -> fx.Node:
-    node = evict.args[3][0]  # the evict's first fetched view: getitem(wait, slot)
-    while node.target is not operator.getitem:
-        node = node.args[0]
-    return node.args[0]
 
 
 def slot_events(gm: fx.GraphModule) -> Events:
     events: Events = []
-    for node in gm.graph.nodes:
-        if node.target is OPS.prefetch.default:
-            mode = node.args[4] if len(node.args) > 4 else 0
-            events.append(("take", node.args[2], node.args[1], mode))
-        elif node.target is OPS.wait.default:
-            events.append(("take", node.args[2], node.args[1], -1))
-        elif node.target is OPS.evict.default and not (len(node.args) > 5 and node.args[5]):  # parked: kept
-            wait = _wait_of(node)
-            events.append(("give", wait.args[2], wait.args[1], -1))
+    for view in map(transfer_view, gm.graph.nodes):
+        if isinstance(view, Prefetch):
+            events.append(("take", view.key, view.group, view.mode))
+        elif isinstance(view, Wait):
+            events.append(("take", view.key, view.group, -1))
+        elif isinstance(view, Evict) and not view.park:  # parked: kept
+            wait = fetch_of(view.buffers[0])  # an evict's buffers are all its wait's
+            events.append(("give", wait.key, wait.group, -1))
     return events
 
 

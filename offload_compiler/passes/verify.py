@@ -12,7 +12,8 @@ import torch.fx as fx
 
 from ..subclasses import plain_leaves
 from .analysis import WeightInput, _storage, _value, readers
-from .schedule import ADOPT, CARRY, FETCH
+from .nodes import Evict, Prefetch, Resident, fetch_of, transfer_view
+from .schedule import ADOPT, CARRY
 
 OPS = torch.ops.offload_compiler
 
@@ -31,13 +32,6 @@ class Verified:
     @property
     def peak_bytes(self) -> int:
         return self.streamed_peak_bytes + self.resident_bytes
-
-
-def _fetch_node(view: fx.Node) -> fx.Node:
-    node = view  # [rebuild_weight(][as_strided(]getitem(fetch, bucket)...[)]
-    while node.target is not operator.getitem:
-        node = node.all_input_nodes[0]
-    return node.args[0]
 
 
 def _reader_of(evict_input: fx.Node) -> fx.Node:
@@ -61,15 +55,12 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
         if users:
             raise ScheduleError(f"weight {w.name} is still read from host memory by {users[0].format_node()}")
 
-    evict_of: dict[fx.Node, fx.Node] = {}
-    for node in nodes:
-        if node.target is OPS.evict.default:
-            items = node.args[3]
-            if items:
-                evict_of[items[0].args[0]] = node
+    transfers = [view for view in map(transfer_view, nodes) if view is not None]
+    evict_of: dict[fx.Node, Evict] = {fetch_of(evict.buffers[0]).node: evict for evict in transfers
+                                      if isinstance(evict, Evict) and evict.buffers}
 
     for view in (n for n in nodes if "offload_slot" in n.meta):
-        fetch = _fetch_node(view)
+        fetch = fetch_of(view)
         placeholder = by_slot[view.meta["offload_slot"]]
         storage = _storage(_value(placeholder))
         if storage is None:
@@ -78,37 +69,36 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
         view.meta.setdefault("example_value", _value(placeholder))
         found = [r for user in view.users if user.op != "output" and user.target is not OPS.evict.default
                  for r in readers(view, user, placeholder.name).leaves]  # (the graph outputs every view)
-        if fetch.target is OPS.resident.default:
+        if isinstance(fetch, Resident):
             continue
-        evict = evict_of.get(fetch)
+        evict = evict_of.get(fetch.node)
         if evict is None:
             if any(user.op != "output" for user in view.users) and not all(
-                    position[r] > position[fetch] for r in found):
+                    position[r] > position[fetch.node] for r in found):
                 raise ScheduleError(f"{placeholder.name} is read before it is fetched")
             continue
-        ordered = {_reader_of(n) for n in evict.args[4]}
+        ordered = {_reader_of(n) for n in evict.users}
         for reader in found:
-            if not position[fetch] < position[reader] < position[evict]:
+            if not position[fetch.node] < position[reader] < position[evict.node]:
                 raise ScheduleError(f"{reader.format_node()} reads {placeholder.name} outside its fetch window")
             written = reader.target is operator.setitem and reader.args[0] in ordered  # ordered through x in x[i] = w
             if reader not in ordered and not written:
                 raise ScheduleError(f"the evict of {placeholder.name} does not depend on {reader.format_node()}")
 
-    prefetches = [n for n in nodes if n.target is OPS.prefetch.default]
-    mode = lambda n: n.args[4] if len(n.args) > 4 else FETCH  # noqa: E731
-    carried = sum(group_bytes[n.args[1]] for n in prefetches if mode(n) == CARRY)
-    if carried != sum(group_bytes[n.args[1]] for n in prefetches if mode(n) == ADOPT):
+    prefetches = [view for view in transfers if isinstance(view, Prefetch)]
+    carried = sum(group_bytes[p.group] for p in prefetches if p.mode == CARRY)
+    if carried != sum(group_bytes[p.group] for p in prefetches if p.mode == ADOPT):
         raise ScheduleError("the copies this graph carries to its next call are not the ones it starts with")
     live = peak = carried  # in steady state the previous call's carried copies are alive at the start
     resident = fetches = 0
-    for node in nodes:
-        if node.target is OPS.prefetch.default:
-            if mode(node) != ADOPT:
-                live += group_bytes[node.args[1]]
+    for view in transfers:
+        if isinstance(view, Prefetch):
+            if view.mode != ADOPT:
+                live += group_bytes[view.group]
                 fetches += 1
             peak = max(peak, live)
-        elif node.target is OPS.evict.default and not (len(node.args) > 5 and node.args[5]):  # parked stays
-            live -= group_bytes[node.args[1]]
-        elif node.target is OPS.resident.default:
-            resident += group_bytes[node.args[1]]
+        elif isinstance(view, Evict) and not view.park:  # parked stays
+            live -= group_bytes[view.group]
+        elif isinstance(view, Resident):
+            resident += group_bytes[view.group]
     return Verified(peak, resident, fetches, carried)
