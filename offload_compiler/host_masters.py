@@ -37,12 +37,20 @@ _DATA = torch.Tensor.data  # the ``.data`` descriptor: its setter reaches __torc
 
 
 class OnDemand:
-    """Bytes and ops of weights fetched on demand (outside an offloaded graph), per runtime."""
+    """What a runtime's masters share: the bytes and ops of weights fetched on demand (outside an offloaded
+    graph), and ``before_write``, which a write into the host bytes calls first (the runtime waits there for
+    queued copies that may still read them)."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.ops = 0
+        self.before_write: Callable[[], Callable[[], None] | None] | None = None  # a weak method
         self._lock = threading.Lock()
+
+    def wait_before_write(self) -> None:
+        wait = self.before_write() if self.before_write is not None else None
+        if wait is not None:
+            wait()
 
     def add(self, nbytes: int) -> None:
         with self._lock:
@@ -115,6 +123,9 @@ class HostMaster(torch.Tensor):
             if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
                 return func(first.host, **{"device": first.device, **kwargs})
             if func._schema.is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
+                account = first.account() if first.account is not None else None
+                if account is not None:  # a copy still queued may read these bytes
+                    account.wait_before_write()
                 host = first.host
                 rest = tree_map(lambda a: _host_operand(a, host.device), (args[1:], kwargs))
                 func(host, *rest[0], **rest[1])

@@ -151,3 +151,4 @@ def test_views_and_copies_of_a_master_move_no_bytes_to_the_device():
     assert torch.equal(w.cpu(), w.host) and w.to("cpu", torch.float64).dtype == torch.float64
     assert offload_stats(m).on_demand_bytes == 0
     assert "HostMaster" in repr(w)
+

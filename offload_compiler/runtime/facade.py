@@ -88,6 +88,7 @@ class OffloadRuntime:
         self.model_ref: Callable[[], object] | None = None if model is None else weakref.ref(model)
         self.unmanaged_ids, self.unmanaged_bytes = (set(), 0) if model is None else _unmanaged(model, specs)
         self.on_demand = on_demand or OnDemand()
+        self.on_demand.before_write = weakref.WeakMethod(self.wait_for_copies)
         self._state_dict_hooks: dict[int, tuple] = {}  # module id -> (module ref, handle)
         if model is not None and is_accelerator(self.device):
             for module in model.modules():
