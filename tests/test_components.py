@@ -19,7 +19,7 @@ def _bytes(module):
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_sub_components_in_one_forward_are_never_on_the_device_together(compiler):
     model, args = thinker()
     policy = OffloadPolicy(strategy="alternating", components=["visual", "audio_tower"], compiler=compiler, **CPU)
@@ -98,7 +98,8 @@ def test_the_rest_of_the_model_stays_on_the_device_and_is_reported():
     assert "kept on the device" in str(stats)
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])  # inductor: ~70 s
+@pytest.mark.slow  # CLIP, Flux and a VAE captured per component (inductor: minutes); fast: the pipeline object below
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_model_level_offload_on_a_diffusion_container(compiler):
     model, kwargs = diffusion_container()
     report = assert_offload_equivalent(model, OffloadPolicy(strategy="model", compiler=compiler, **CPU), **kwargs)
@@ -166,6 +167,7 @@ def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav(c
     assert 1 - stats.peak_resident_bytes / sum(groups.values()) >= 0.3  # the seeds' 30-50% for multi-stage
 
 
+@pytest.mark.slow  # a diffusion pipeline too
 def test_remove_offload_restores_components_called_on_their_own():
     from offload_compiler import remove_offload
     model, args = omni()

@@ -40,6 +40,7 @@ def run_example(script: str, *args: str, capsys, monkeypatch, tmp_path):
     return capsys.readouterr().out, result
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch, transformers and diffusers
 def test_an_example_runs_as_a_script_in_a_fresh_process(tmp_path):
     """One example as the README runs them, in a fresh interpreter (the rest run in this process, below)."""
     result = subprocess.run([sys.executable, str(EXAMPLES / "diffusers_pipeline.py")], capture_output=True,

@@ -171,6 +171,7 @@ class _ReadsWeightsPointwise(torch.nn.Module):
         return self.lin(self.lin(d) * 3) - 1
 
 
+@pytest.mark.slow  # an inductor compile; the fast subset compiles the transfer and materialize tests below
 def test_inductor_never_writes_an_activation_into_a_weight():
     """Resident weights stay on the device between calls: one overwritten by an activation would be wrong from
     the second call on (it was, before the transfer's leaves were marked never-reuse)."""
@@ -190,6 +191,7 @@ def test_inductor_never_writes_an_activation_into_a_weight():
         assert offload_stats(m).fetch_count == first.fetch_count  # resident: kept, not fetched again
 
 
+@pytest.mark.slow  # an inductor compile
 def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypatch):
     """The compiled graph skips inductor's per-leaf size and alignment checks. With them on, every leaf passes
     (the fake layouts are what the op returns), and exactly the leaves whose address is not 16-byte aligned are
@@ -259,6 +261,7 @@ def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_se
     assert offload_stats(m).fetch_count == runtime.graph_plans[0].verified.fetches
 
 
+@pytest.mark.slow  # an inductor compile
 def test_a_global_cpp_wrapper_does_not_reach_our_graphs():
     """With ``torch._inductor.config.cpp_wrapper = True`` set by the user, inductor's C++ wrapper read the
     transfer op's Tensor[] result as one tensor and the process crashed (torch 2.13); our graphs always take the

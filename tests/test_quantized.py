@@ -117,6 +117,7 @@ def test_budget_streams_the_quantized_bytes():
     assert report.bytes_transferred == (quantized - report.streamed_bytes) + 2 * report.streamed_bytes
 
 
+@pytest.mark.slow  # planned, captured and timed
 def test_auto_under_a_tight_budget_streams_quantized_groups():
     model, kwargs = _llama()
     quantized = _quantized_bytes(model)
