@@ -39,10 +39,11 @@ def _fresh_dynamo():
 # what earlier tests left for the collector), and each full collection walks them all -- seconds per
 # gc.collect() late in a run, in the tests and benchmarks that call it, and in the collector's own passes.
 # During a test the objects from before it are frozen (gc.freeze: left out of every collection), so a collection
-# walks only what the test made; every FULL_COLLECTION_EVERY tests they are unfrozen and collected at once.
+# walks only what the test made; every FULL_COLLECTION_EVERY tests they are unfrozen and collected at once (a
+# few seconds late in a run; gc.get_freeze_count() walks them all too, so the count of tests decides).
 # Nothing is lost: an object is only collected later, never kept. (gc.get_objects() leaves frozen objects out:
 # the backend route finds its model among the objects a test made itself.)
-FULL_COLLECTION_EVERY = 20
+FULL_COLLECTION_EVERY = 50
 _tests_since_full_collection = 0
 
 
