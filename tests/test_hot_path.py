@@ -171,7 +171,7 @@ class _ReadsWeightsPointwise(torch.nn.Module):
         return self.lin(self.lin(d) * 3) - 1
 
 
-@pytest.mark.slow  # an inductor compile; the fast subset compiles the transfer and materialize tests below
+@pytest.mark.slow  # an inductor compile; the fast subset compiles with inductor in the transfer test below
 def test_inductor_never_writes_an_activation_into_a_weight():
     """Resident weights stay on the device between calls: one overwritten by an activation would be wrong from
     the second call on (it was, before the transfer's leaves were marked never-reuse)."""
@@ -296,7 +296,9 @@ def _tensor(out) -> torch.Tensor:
     return getattr(out, "logits", out)
 
 
-@pytest.mark.parametrize("build", [_post_norm_stack, pytest.param(_llama, marks=pytest.mark.slow)])
+# inductor compiles; the fast subset compiles with inductor in the transfer test above
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_post_norm_stack, _llama])
 def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(build):
     """Each materialized weight reader (Gemma's post-norm ``1 + w``, RMSNorm's ``w * x``) is a copy later kernels
     read, never the weight, and the evict follows it: with ``debug_poison`` (evicted slots overwritten) the
