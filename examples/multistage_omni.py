@@ -3,8 +3,10 @@ token2wav, with the stages alternating on the device; then the thinker alone wit
 one forward, offloading its visual and audio encoders while the language model stays on the device.
 
     python examples/multistage_omni.py
+    python examples/multistage_omni.py --debug-poison   # evicted device copies filled with NaN, as the tests run it
 """
 
+import argparse
 import copy
 import logging
 
@@ -18,21 +20,26 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
-def main() -> None:
+def main() -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug-poison", action="store_true",
+                        help="fill every evicted device copy with NaN: a read after an evict shows in the outputs")
+    args = parser.parse_args()
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # the encoders' graph breaks are expected here
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, inputs = omni_full_with_inputs()
     expected = run_stages(model, inputs)
     policy = OffloadPolicy.from_engine_args({"cpu_offload_enabled": True, "cpu_offload_strategy": "alternating",
                                              "cpu_offload_components": ["thinker", "talker", "token2wav"],
-                                             "device": device})
+                                             "device": device}).replace(debug_poison=args.debug_poison)
     offloaded = offload_compile(copy.deepcopy(model), policy)
     print("stage by stage, alternating:")
+    live = []  # device weight bytes alive after each stage
 
     def call(module, **kwargs):
         out = module(**kwargs)
-        print(f"  after {type(module).__name__:<45s} device weights alive: "
-              f"{mib(offload_stats(offloaded).live_device_bytes)}")
+        live.append(offload_stats(offloaded).live_device_bytes)
+        print(f"  after {type(module).__name__:<45s} device weights alive: {mib(live[-1])}")
         return out
 
     got = run_stages(offloaded, inputs, call=call)
@@ -47,13 +54,14 @@ def main() -> None:
     with torch.no_grad():
         expected_logits = thinker(**kwargs).logits
     offloaded_thinker = offload_compile(copy.deepcopy(thinker), OffloadPolicy(
-        strategy="alternating", components=["visual", "audio_tower"], device=device))
+        strategy="alternating", components=["visual", "audio_tower"], device=device, debug_poison=args.debug_poison))
     logits = offloaded_thinker(**kwargs).logits
     print("\nthinker with text + image + audio, visual and audio_tower offloaded:")
     print(f"  {offload_stats(offloaded_thinker)}")
     print(f"  outputs equal the plain model: {torch.equal(logits.cpu(), expected_logits)}")
     if not same or not torch.equal(logits.cpu(), expected_logits):
         raise SystemExit("offloaded outputs differ from the plain model")
+    return {"stages": offloaded, "live_after_each_stage": live, "thinker": offloaded_thinker}  # for the tests
 
 
 if __name__ == "__main__":

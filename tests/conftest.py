@@ -1,3 +1,4 @@
+import gc
 import os
 import tempfile
 
@@ -32,3 +33,29 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def _fresh_dynamo():
     torch._dynamo.reset()
     yield
+
+
+# One process runs every test: by the end it holds over a million objects (torch, transformers, diffusers and
+# what earlier tests left for the collector), and each full collection walks them all -- seconds per
+# gc.collect() late in a run, in the tests and benchmarks that call it, and in the collector's own passes.
+# During a test the objects from before it are frozen (gc.freeze: left out of every collection), so a collection
+# walks only what the test made; every FULL_COLLECTION_EVERY tests they are unfrozen and collected at once (a
+# few seconds late in a run; gc.get_freeze_count() walks them all too, so the count of tests decides).
+# Nothing is lost: an object is only collected later, never kept. (gc.get_objects() leaves frozen objects out:
+# the backend route finds its model among the objects a test made itself.)
+FULL_COLLECTION_EVERY = 50
+_tests_since_full_collection = 0
+
+
+@pytest.fixture(autouse=True)
+def _collect_only_what_the_test_made():
+    global _tests_since_full_collection
+    if _tests_since_full_collection >= FULL_COLLECTION_EVERY:
+        gc.collect()
+        _tests_since_full_collection = 0
+    _tests_since_full_collection += 1
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

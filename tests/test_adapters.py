@@ -39,6 +39,7 @@ def _streams_the_plan(m, ids) -> None:
     assert stats.fetch_count >= 2 and stats.bytes_transferred >= stats.streamed_bytes > 0
 
 
+@pytest.mark.slow  # a tiny Llama with LoRA adapters captured (peft)
 def test_a_lora_model_streams_its_adapters_with_its_layers_and_the_adapter_switches_off():
     base, ids = _llama()
     plain_base = copy.deepcopy(base)
@@ -56,6 +57,7 @@ def test_a_lora_model_streams_its_adapters_with_its_layers_and_the_adapter_switc
     assert torch.equal(_logits(m, ids), _logits(plain, ids))
 
 
+@pytest.mark.slow  # a tiny Llama with LoRA adapters captured (peft)
 def test_merging_an_adapter_into_an_offloaded_model_changes_the_weights_it_streams():
     """``merge_adapter`` adds the adapter's product to the base weights in place; the next fetch streams them."""
     base, ids = _llama()
@@ -71,6 +73,7 @@ def test_merging_an_adapter_into_an_offloaded_model_changes_the_weights_it_strea
     assert torch.equal(_logits(m, ids), _logits(plain, ids))
 
 
+@pytest.mark.slow  # a tiny Llama with LoRA adapters captured (peft)
 def test_an_adapter_added_after_offloading_is_refused_and_offloading_the_adapted_model_works():
     """Adapter weights injected after offloading would be read from wherever they are, un-offloaded: refused
     with the fix (the refusal itself, not dynamo's compile-failure report), which works as named."""

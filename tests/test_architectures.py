@@ -72,7 +72,15 @@ def policy_for(model: nn.Module, label: str) -> OffloadPolicy:
     return OffloadPolicy(device="cpu", debug_poison=True, compiler="eager", **fields)
 
 
-@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+# each case captures a transformers or diffusers model (2 to 7 s on a 2-core machine): the fast subset runs one
+# of each kind -- decoder, MoE, encoder-decoder, vision encoder, DiT -- and every strategy but auto (tests/
+# test_planner.py plans with auto there)
+FAST_CASES = {"mistral", "qwen3_moe", "gemma3", "t5", "vit", "sd3"}
+SLOW_CASES = {name for name, _ in CASES} - FAST_CASES
+
+
+@pytest.mark.parametrize("name, label", [pytest.param(n, s, marks=[pytest.mark.slow] if n in SLOW_CASES else [])
+                                         for n, s in CASES], ids=[f"{n}-{s}" for n, s in CASES])
 def test_architecture_offloads(name, label):
     model, kwargs = build(name)
     policy = policy_for(model, label)
@@ -98,6 +106,7 @@ def test_cli_plans_an_architecture(capsys):
 
 def test_every_architecture_has_a_case():
     assert sorted(ARCHITECTURES) == sorted(name for name, _ in CASES)
+    assert FAST_CASES <= set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("name", sorted(BLOCKS))
@@ -106,6 +115,7 @@ def test_blocks_are_discovered(name):
     assert block_paths(model, OffloadPolicy(strategy="layerwise", device="cpu")) == BLOCKS[name]
 
 
+@pytest.mark.slow
 def test_moe_routing_changes_between_calls():
     """MoE routing is data-dependent; one captured graph serves other tokens (same shape) exactly."""
     model, kwargs = build("qwen3_moe")
@@ -117,6 +127,7 @@ def test_moe_routing_changes_between_calls():
     assert len(m._offload_runtime.graph_plans) == 1
 
 
+@pytest.mark.slow  # t5 captured for two lengths, then with dynamic shapes
 def test_encoder_decoder_other_lengths():
     """A second call with a shorter source and target recompiles and stays exact."""
     model, kwargs = build("t5")
@@ -129,6 +140,7 @@ def test_encoder_decoder_other_lengths():
     assert offload_stats(m).bytes_transferred > 0
 
 
+@pytest.mark.slow  # generate: prefill and decoding graphs (t5: its encoder too); tests/test_routes.py generates fast
 @pytest.mark.parametrize("name", ["mistral", "t5"])
 def test_generate_runs_offloaded(name):
     model, kwargs = build(name)

@@ -16,6 +16,8 @@ from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equiva
     build_block_model
 
 
+@pytest.mark.slow  # a Llama captured whole by the user's compile, then its offloaded graph
+@pytest.mark.newest_torch
 def test_fullgraph_llama_one_graph_no_breaks_no_recompiles():
     model, kwargs = llama()
     with torch.no_grad():
@@ -39,16 +41,18 @@ def test_fullgraph_llama_one_graph_no_breaks_no_recompiles():
 
 
 def test_options_may_carry_a_policy_and_stats_reset():
-    model, kwargs = llama(layers=2)
+    model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),) * 2, False, True, 2, 1))
     policy = OffloadPolicy(strategy="sequential", device="cpu", prefetch=0)
     compiled = torch.compile(model, backend="omni_offload", options={"policy": policy})
     with torch.no_grad():
-        compiled(**kwargs)
+        compiled(x)
     assert offload_stats(compiled).fetch_count > 0
     reset_offload_stats(compiled)
     assert offload_stats(compiled).fetch_count == 0 and offload_stats(compiled).bytes_transferred == 0
 
 
+@pytest.mark.slow  # a fresh interpreter
+@pytest.mark.newest_torch
 def test_backend_is_found_without_importing_the_package():
     script = textwrap.dedent("""
         import sys, torch
@@ -105,7 +109,8 @@ def test_a_model_frame_dynamo_skips_streams_its_blocks_each_as_a_graph():
     assert_traffic_matches_plan(m)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager",
+                                      pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.newest_torch])])
 def test_graph_breaks_each_graph_scheduled(compiler):
     policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler=compiler, debug_poison=True)
     assert_offload_equivalent(Broken(), policy, torch.randn(2, 16))
@@ -140,6 +145,8 @@ def test_stats_on_a_plain_module_say_what_to_do():
         offload_stats(nn.Linear(2, 2))
 
 
+@pytest.mark.slow  # twelve models captured
+@pytest.mark.newest_torch
 def test_many_models_of_one_class_never_fall_back_silently():
     spec = ModelSpec(8, (BlockSpec("mlp", 8),), False, False, 2, 1)
     for seed in range(12):  # more than dynamo's default recompile limit of 8
@@ -173,7 +180,8 @@ class ReusedGraphs(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager",
+                                      pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.newest_torch])])
 @pytest.mark.parametrize("strategy", ["layerwise", "sequential", "none"])
 def test_a_graph_dynamo_reuses_for_other_weights_reads_those_weights(strategy, compiler):
     model = ReusedGraphs()
@@ -210,6 +218,8 @@ class _PostNormStack(nn.Module):
         return x
 
 
+@pytest.mark.slow  # inductor; tests/test_hot_path.py compiles the same post-norm stack in the fast subset
+@pytest.mark.newest_torch
 def test_inductor_never_recomputes_a_weight_reader_after_its_evict():
     from capture import capture
     from offload_compiler.backend import rewrite_graph

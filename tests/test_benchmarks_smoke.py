@@ -31,6 +31,7 @@ def _run(script: str, *args: str, timeout: int = 120) -> None:
         sys.argv = argv
 
 
+@pytest.mark.slow  # captures of 2 to 16 blocks, each timed
 def test_pass_cost_small(tmp_path):
     out = tmp_path / "pass_cost.json"
     _run("pass_cost.py", "--blocks", "2", "6", "16", "--repeats", "2", "--capture-repeats", "1",
@@ -98,6 +99,7 @@ def test_gpu_harness_smoke(tmp_path):
         assert rss[name]["model_bytes"] > 0 and rss[name]["setup_peak_rss_delta_bytes"] >= 0
 
 
+@pytest.mark.slow  # every method, each compiled (inductor too)
 def test_host_overhead_small(tmp_path):
     out = tmp_path / "host_overhead.json"
     _run("host_overhead.py", "--blocks", "4", "--rounds", "2", "--calls", "2", "--depths", "2", "--warmup", "1",
@@ -118,6 +120,7 @@ def test_host_overhead_small(tmp_path):
         assert set(data["summary"][name]) >= {"wall", "cpu", "faults_per_call"}
 
 
+@pytest.mark.slow  # a Llama generating under three methods
 def test_decode_small(tmp_path):
     out = tmp_path / "decode.json"
     _run("decode.py", "--layers", "2", "--hidden", "64", "--prompt", "4", "--tokens", "3", "--rounds", "2",
@@ -141,6 +144,7 @@ def _bench_module(script: str):
     return module
 
 
+@pytest.mark.slow  # inductor
 @pytest.mark.parametrize("variant", ["ours-inductor-without-copies", "ours-inductor-without-transfers"])
 def test_decodes_diagnostic_variants_leave_out_what_they_say(variant):
     """``decode.py --decompose``: without copies, every fetch is still made and counted but no slot is written;

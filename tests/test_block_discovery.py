@@ -352,7 +352,8 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+# each a capture of a whole network (3 to 9 s on a 2-core machine); the fast subset offloads the ViT
+@pytest.mark.parametrize("name", [n if n == "vit" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(ZOO)])
 def test_layerwise_saves_on_any_model(name):
     model, inputs = build(name)
     planned = plan_groups(model, OffloadPolicy(**POLICY))
@@ -445,6 +446,7 @@ def test_declared_stacks_are_honoured_and_a_dominant_block_still_split():
     assert names[0] == "trunk_output.block1" and "trunk_output.block4.block4-2" in names
 
 
+@pytest.mark.slow  # RegNet captured
 def test_budget_splits_the_block_that_would_overshoot_offload_gb(recwarn):
     """A quarter of RegNet ends inside its last stage: that stage is split there, so budget streams close to
     the quarter (not the whole stage), and runs as the plain model."""

@@ -131,7 +131,7 @@ def test_release_device_copies_frees_what_waits_for_the_next_call():
 
 
 @pytest.mark.parametrize("strategy, extra", [("budget", {"offload_gb": 4e-6}), ("sequential", {}),
-                                             ("auto", {"device_budget_gb": 0.5})])
+                                             pytest.param("auto", {"device_budget_gb": 0.5}, marks=pytest.mark.slow)])
 def test_other_strategies_with_wrap_around(strategy, extra):
     model, x = build_block_model(SPEC, 2)
     policy = OffloadPolicy(strategy=strategy, device="cpu", prefetch_next_call=True, debug_poison=True, **extra)

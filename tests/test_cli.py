@@ -40,6 +40,7 @@ def test_json_gives_the_plan_of_a_fixed_strategy_as_data(capsys):
     assert "no accelerator" in report["pinning"]
 
 
+@pytest.mark.slow  # a plan and its plots for every strategy
 def test_text_plan_says_why_nothing_is_pinned_and_plots_any_strategy(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main(PLAN_LLAMA + ["--plots", str(tmp_path)]) == 0
@@ -50,6 +51,7 @@ def test_text_plan_says_why_nothing_is_pinned_and_plots_any_strategy(tmp_path, c
     assert (tmp_path / "residency.png").stat().st_size > 0 and f"saved {tmp_path / 'residency.png'}" in captured.err
 
 
+@pytest.mark.slow
 def test_no_pinning_note_when_pin_memory_is_off(capsys):
     assert main(PLAN_LLAMA + ["--no-cpu-offload-pin-memory"]) == 0
     assert "pin_memory=True" not in capsys.readouterr().out
@@ -62,6 +64,7 @@ def test_component_error_names_the_command_line_flag():
     assert "--cpu-offload-components" in message and "components=[...]" not in message
 
 
+@pytest.mark.slow
 def test_the_residency_plot_follows_the_verified_plan(tmp_path):
     pytest.importorskip("matplotlib")
     from offload_compiler.planning.plots import live_bytes, save_runtime_plots

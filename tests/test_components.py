@@ -19,7 +19,7 @@ def _bytes(module):
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_sub_components_in_one_forward_are_never_on_the_device_together(compiler):
     model, args = thinker()
     policy = OffloadPolicy(strategy="alternating", components=["visual", "audio_tower"], compiler=compiler, **CPU)
@@ -98,7 +98,8 @@ def test_the_rest_of_the_model_stays_on_the_device_and_is_reported():
     assert "kept on the device" in str(stats)
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])  # inductor: ~70 s
+@pytest.mark.slow  # CLIP, Flux and a VAE captured per component (inductor: minutes); fast: the pipeline object below
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_model_level_offload_on_a_diffusion_container(compiler):
     model, kwargs = diffusion_container()
     report = assert_offload_equivalent(model, OffloadPolicy(strategy="model", compiler=compiler, **CPU), **kwargs)
@@ -145,29 +146,28 @@ def test_qwen25_omni_thinker_text_image_audio_offloads_visual_and_audio_tower():
     assert report.bytes_transferred >= visual + audio
 
 
-@pytest.mark.slow  # ~20 s
-def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav():
-    from offload_compiler.testing.omni_models import omni_full_with_inputs, run_stages
-    model, inputs = omni_full_with_inputs()
-    expected = run_stages(model, inputs)
-    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="alternating", **CPU))
-    assert {g.name for g in m._offload_runtime.groups} == {"thinker", "talker", "token2wav"}
-    live = []
-
-    def call(module, **kwargs):
-        out = module(**kwargs)
-        live.append(offload_stats(m).live_device_bytes)
-        return out
-
-    got = run_stages(m, inputs, call=call)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+@pytest.mark.slow  # about a minute on a 2-core machine
+def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav(capsys, monkeypatch, tmp_path):
+    """examples/multistage_omni.py drives the tiny Qwen2.5-Omni stage by stage (thinker, talker, token2wav, the
+    stages named as vllm-omni's engine args name them) and checks the outputs against the plain model: run here
+    with debug_poison, it is also this test's model (one capture of the three stages, not two)."""
+    from test_examples import check_example_output, run_example
+    stdout, result = run_example("multistage_omni.py", "--debug-poison", capsys=capsys, monkeypatch=monkeypatch,
+                                 tmp_path=tmp_path)
+    check_example_output(stdout, "outputs equal the plain model: True")  # every stage's outputs, bit for bit
+    m = result["stages"]
+    assert m._offload_runtime.policy.debug_poison
+    assert resolve(m, None) == ["talker", "thinker", "token2wav"]  # the stages it names are the ones discovered
     groups = {g.name: g.nbytes for g in m._offload_runtime.groups}
+    assert set(groups) == {"thinker", "talker", "token2wav"}
+    live = result["live_after_each_stage"]
     assert live == [groups["thinker"], groups["talker"], groups["token2wav"]]  # one stage on the device
     stats = offload_stats(m)
     assert stats.peak_resident_bytes == max(groups.values())
     assert 1 - stats.peak_resident_bytes / sum(groups.values()) >= 0.3  # the seeds' 30-50% for multi-stage
 
 
+@pytest.mark.slow  # a diffusion pipeline too
 def test_remove_offload_restores_components_called_on_their_own():
     from offload_compiler import remove_offload
     model, args = omni()

@@ -129,6 +129,7 @@ def test_bad_stage_yaml_names_the_file_stage_and_key(tmp_path, text, message):
     assert str(path) in str(err.value)
 
 
+@pytest.mark.slow  # the CLI plans, then runs a Llama
 def test_cli_plan_and_run(capsys):
     assert main(["plan", "--model", "llama", "--device", "cpu", "--enable-layerwise-offload"]) == 0
     out = capsys.readouterr().out
@@ -148,6 +149,7 @@ def test_cli_stage_config_and_json(capsys):
     assert report["policy"]["strategy"] == "alternating" and list(report["policy"]["components"]) == ["visual"]
 
 
+@pytest.mark.slow
 def test_cli_prefetch_next_call(capsys):
     code = main(["run", "--model", "llama", "--device", "cpu", "--strategy", "layerwise", "--prefetch-next-call",
                  "--calls", "3", "--json"])
@@ -166,6 +168,7 @@ def _cli_policy(*flags):
     return policy_from_args(_parser().parse_args(["plan", "--model", "llama", "--device", "cpu", *flags]))
 
 
+@pytest.mark.slow
 def test_cli_stage_config_gives_the_policy_not_the_default(tmp_path, capsys):
     """A stage that keeps offloading off (the seed's thinker stage) is not offloaded: the layerwise default is
     for a command line that names neither a stage config nor an offload flag."""

@@ -33,7 +33,8 @@ def _two_ranks(case: str, compiler: str, tmp_path, backend: str = "gloo") -> lis
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two ranks in subprocesses: each a fresh interpreter
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_tensor_parallel_streams_each_ranks_shards(compiler, tmp_path):
     ranks = _two_ranks("tp", compiler, tmp_path)
     # up: columns sharded (weight and bias); down: rows sharded, its bias replicated
@@ -50,7 +51,7 @@ def test_tensor_parallel_streams_each_ranks_shards(compiler, tmp_path):
         assert f"rank={r['rank']}/2" in r["plan"] and "DTensor weights" in r["plan"]
 
 
-@pytest.mark.slow  # two ranks in subprocesses, ~15 s; tensor parallel (eager) stays in the fast subset
+@pytest.mark.slow  # two ranks in subprocesses
 def test_pipeline_parallel_offloads_each_stage(tmp_path):
     ranks = _two_ranks("pp", "eager", tmp_path)
     block = ((WIDTH * HIDDEN + HIDDEN) + (HIDDEN * WIDTH + WIDTH)) * F32

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -97,6 +98,8 @@ def test_a_steady_call_enters_no_config_patch_and_torchs_defaults_hold_inside_it
     assert _config() == defaults
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_many_models_of_one_class_compile_past_dynamos_recompile_limit():
     """A graph break in a model's forward: dynamo compiles the class's forward as a frame of its own, one cache
     entry per model on that one code object. Past the recompile limit (8) dynamo ran the ninth model's forward

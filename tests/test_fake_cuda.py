@@ -63,7 +63,7 @@ def _captured(builder):
     return model, copy.deepcopy(gm), example_inputs
 
 
-@pytest.mark.parametrize("builder", [llama, gpt2])
+@pytest.mark.parametrize("builder", [llama, pytest.param(gpt2, marks=pytest.mark.slow)])  # a capture each
 @pytest.mark.parametrize("strategy", ["layerwise", "budget", "sequential", "none"])
 def test_no_compute_op_sees_a_host_weight(builder, strategy):
     model, gm, example_inputs = _captured(builder)

@@ -41,7 +41,9 @@ def _groups(pipe):
     return {g.name: g for g in pipe._offload_state.runtime.groups}
 
 
-@pytest.mark.parametrize("name", [pytest.param("sd3", marks=pytest.mark.slow), "flux", "sd"])  # sd3: ~20 s
+# each a whole pipeline (encoders, denoiser, VAE) captured: the fast subset runs Flux
+@pytest.mark.parametrize("name", [pytest.param("sd3", marks=pytest.mark.slow), "flux",
+                                  pytest.param("sd", marks=pytest.mark.slow)])
 def test_layerwise_streams_encoders_and_denoiser_block_by_block_and_keeps_the_vae(name):
     pipe, kwargs, expected = _plain(name)
     weights = {n: _bytes(getattr(pipe, n)) for n in ("vae", *DIT_MODULES, *ENCODER_MODULES)
@@ -59,6 +61,7 @@ def test_layerwise_streams_encoders_and_denoiser_block_by_block_and_keeps_the_va
     assert stats.peak_resident_bytes < max(weights[c] for c in components)  # never a whole component at once
 
 
+@pytest.mark.slow  # a whole pipeline captured
 def test_budget_streams_offload_gb_encoders_first_and_keeps_the_rest_resident():
     pipe, kwargs, expected = _plain("flux")
     offload_gb = 0.1 / 1024  # 0.1 MiB: the encoders' blocks, then the transformer's first
@@ -100,6 +103,7 @@ def test_auto_plans_each_denoiser_at_its_first_call_within_the_budget():
         g.nbytes for g in groups.values() if g.name.startswith("text_encoder")) * 2
 
 
+@pytest.mark.slow  # the VAE's decode and encode each captured
 def test_vae_decode_and_encode_of_an_offloaded_vae_run_its_offloaded_graphs():
     model, inputs = vae_roundtrip()
     vae = model.vae
@@ -118,6 +122,7 @@ def test_vae_decode_and_encode_of_an_offloaded_vae_run_its_offloaded_graphs():
     assert "decode" not in vae.__dict__ and torch.equal(vae.decode(latents).sample, expected)
 
 
+@pytest.mark.slow  # a whole pipeline captured
 def test_a_pipeline_runs_again_after_remove_offload_and_refuses_offloading_twice():
     pipe, kwargs, expected = _plain("flux")
     offload_compile(pipe, OffloadPolicy(strategy="layerwise", **CPU))

@@ -105,6 +105,7 @@ def _bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.slow  # a Llama planned, captured and run per budget; the fast subset plans a block stack below
 @pytest.mark.parametrize("fraction", [0.45, 0.8, 3.0])
 def test_llama_under_a_budget_matches_and_stays_within_it(fraction):
     model, kwargs = llama()
@@ -139,6 +140,7 @@ def test_auto_through_the_equivalence_check():
     assert 0 < report.streamed_bytes and report.peak_resident_bytes <= budget - roomy.table.activation_bytes
 
 
+@pytest.mark.slow  # a Llama planned twice
 def test_infeasible_budget_errors_before_anything_runs_with_the_needed_figure():
     model, kwargs = llama()
     m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=1e-5))
@@ -153,6 +155,7 @@ def test_infeasible_budget_errors_before_anything_runs_with_the_needed_figure():
     assert offload_stats(ok).peak_resident_bytes + offload_plan(ok).table.activation_bytes <= err.value.needed_bytes
 
 
+@pytest.mark.slow  # a Llama run six times, then planned again
 def test_plan_table_text_and_json():
     model, kwargs = llama(layers=2)
     policy = OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=0.6 * _bytes(model) / 2**30)
@@ -240,6 +243,7 @@ def test_layerwise_runs_a_data_dependent_forward_as_the_plain_model():
         assert_traffic_matches_plan(m)
 
 
+@pytest.mark.slow  # the CLI plans and runs a Llama six times, then plots
 def test_cli_prints_the_plan_and_saves_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from offload_compiler.cli import main
@@ -279,6 +283,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # four models, each planned and timed over six calls, up to three times
 @pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "dit"])
 def test_the_prediction_counts_host_overheads(name, one_thread):
     """The host overheads (per op, per fetch, per call), measured once per device and compiler on a probe model

@@ -11,8 +11,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 
+# the fast subset runs Llama and Qwen2 (with its KV cache) eagerly, GPT-2 in the tied-embedding test below and
+# Flux in tests/test_pipelines.py; the other models and every inductor compile (up to minutes each) are slow
+SLOW_EAGER = {"gpt2", "flux", "dit", "unet", "diffusion_container"}
+
+
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EAGER else n
+                                  for n in BUILDERS])
 def test_layerwise_matches_plain_model(name, compiler):
     model, kwargs = BUILDERS[name]()
     policy = OffloadPolicy(strategy="layerwise", device="cpu", prefetch=1, compiler=compiler, debug_poison=True)
@@ -23,7 +29,9 @@ def test_layerwise_matches_plain_model(name, compiler):
     assert report.peak_resident_bytes <= sizes[0] + sizes[1] < sum(sizes)  # prefetch 1: two groups at most
 
 
-@pytest.mark.parametrize("strategy, extra", [("budget", {"offload_gb": 2e-4}), ("sequential", {}), ("none", {})])
+@pytest.mark.parametrize("strategy, extra", [pytest.param("budget", {"offload_gb": 2e-4}, marks=pytest.mark.slow),
+                                             pytest.param("sequential", {}, marks=pytest.mark.slow),
+                                             pytest.param("none", {}, marks=pytest.mark.slow)])
 def test_other_strategies_on_llama(strategy, extra):
     model, kwargs = BUILDERS["llama"]()
     policy = OffloadPolicy(strategy=strategy, device="cpu", debug_poison=True, **extra)

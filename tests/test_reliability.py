@@ -265,7 +265,7 @@ def test_bad_input_shape():
     _after_fault(model, snapshot, m, x, expected)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_an_op_failing_midway(compiler):
     """An index out of range fails at run time, inside the graph, after weights were fetched."""
     class Lookup(nn.Module):
@@ -394,6 +394,7 @@ def test_a_device_budget_below_what_any_plan_needs_states_the_figure_and_touches
 
 # -- found by a new user's trial ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # a Llama generating
 def test_generate_and_the_original_object_run_offloaded():
     from offload_compiler import reset_offload_stats
     from offload_compiler.testing.models import llama
@@ -457,6 +458,7 @@ def test_copy_pickle_and_backward_are_refused_with_the_alternative():
     _assert_whole(model, snapshot)
 
 
+@pytest.mark.slow  # ten models captured
 def test_auto_plans_beside_many_offloaded_models_of_the_same_class():
     models = [offload_compile(_model(i)[0], strategy="layerwise", **CPU) for i in range(9)]
     model, x, expected, _ = _model()

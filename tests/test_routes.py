@@ -65,6 +65,8 @@ def test_every_route_of_a_language_model_streams_the_plan(compiler):
         assert stats.live_device_bytes == 0, name
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_every_part_called_from_python_runs_its_own_offloaded_graph():
     """Modules holding offloaded weights, called outside the model's call -- by hand, through an accessor, or by
     the model's forward reached around its instance attribute -- each fetch what they read, as planned."""
@@ -164,7 +166,9 @@ def test_the_users_fullgraph_compile_around_a_model_with_a_graph_break_streams_t
         assert sorted(runtime.used_groups) == [g.index for g in runtime.groups]  # every group read by a graph
 
 
-@pytest.mark.parametrize("compiler", COMPILERS)
+# a Llama captured through the backend, then generating
+@pytest.mark.parametrize("compiler", [pytest.param("eager", marks=[pytest.mark.slow, pytest.mark.newest_torch]),
+                                      pytest.param("inductor", marks=pytest.mark.slow)])
 def test_the_backend_offloads_in_place_so_generate_streams_too(compiler):
     model, inputs, plain = _llama()
     c = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu",
@@ -180,6 +184,8 @@ def test_the_backend_offloads_in_place_so_generate_streams_too(compiler):
     assert offload_stats(c) == offload_stats(model)
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_auto_plans_at_whatever_call_comes_first():
     model, inputs, plain = _llama()
     m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb="free"))
@@ -292,6 +298,8 @@ def _denoise(pipe, embeddings):
                 num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(1)).images
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_model_level_offload_of_a_unet_pipeline_streams_the_unet_on_every_call():
     pipe = _sd_pipeline()
     embeddings = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
@@ -310,6 +318,8 @@ def test_model_level_offload_of_a_unet_pipeline_streams_the_unet_on_every_call()
     assert torch.equal(_denoise(pipe, embeddings), expected)
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_ten_thousand_forwards_leave_the_context_and_memory_where_they_were():
     model = Stack().eval()
     x = torch.randn(1, 8)

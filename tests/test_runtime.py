@@ -83,7 +83,7 @@ class Mixed(nn.Module):
         return x[:, :4] @ self.q + x[:, 4:] @ self.k
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_mixed_dtypes_int_buffers_and_shared_storage(compiler):
     report = assert_offload_equivalent(Mixed(), OffloadPolicy(strategy="layerwise", device="cpu", compiler=compiler,
                                                               debug_poison=True), torch.randn(3, 8))

@@ -383,6 +383,7 @@ def test_alternating_components_park_and_leave_on_the_device():
         assert offload_stats(m).parked_bytes > 0
 
 
+@pytest.mark.slow  # four random models, each captured
 def test_the_hypothesis_helpers_draw_policies_for_the_device():
     from hypothesis import given, settings
     from offload_compiler.testing import block_models, policies

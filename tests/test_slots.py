@@ -31,7 +31,7 @@ def _slot_memory(runtime) -> dict:
     return {id(slot): [b.data_ptr() for b in slot.buffers] for slots in runtime.pool.slots.values() for slot in slots}
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("carry", [False, True])
 def test_each_group_lands_at_the_same_address_every_call_from_a_fixed_pool(compiler, carry):
     model, x = build_block_model(SPEC, 3)

@@ -68,6 +68,8 @@ def test_hooks_the_forward_itself_registers_are_the_models():
         assert torch.equal(m(x), plain(x))
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_the_backend_offloads_after_other_offloaded_models_of_its_class_ran():
     """Offloaded models keep their graphs on a code object of their own. Before the fix they filled the cache of
     their class's forward, and a later torch.compile(backend="omni_offload") of another instance met dynamo's
@@ -145,6 +147,8 @@ def test_output_hidden_states_after_offloading_streams_the_plan():
     assert stats.fetch_count == len(m._offload_runtime.groups)  # every group once
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_output_attentions_on_sdpa_attention_runs_as_the_plain_model_does():
     """sdpa attention asked for attentions logs a warning_once from inside the layer loop. Dynamo cannot trace a
     logging call: a graph break inside the loop, the frame ran without a graph, and the call -- and every later
@@ -162,6 +166,8 @@ def test_output_attentions_on_sdpa_attention_runs_as_the_plain_model_does():
         assert torch.equal(m(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits)
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_hidden_states_of_a_model_whose_inner_model_was_called_before_offloading_are_not_doubled():
     """CLIPTextModelWithProjection holds a CLIPTextModel. Once called with output_hidden_states=True (before
     offloading), the inner model has its capturing hooks; installing on the outer model then installed a second

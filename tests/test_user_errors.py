@@ -137,6 +137,8 @@ class _CheckedStack(nn.Module):
         return x
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_an_input_the_models_own_check_refuses_leaves_the_model_running():
     """The model raises on a bad input from Python code (``raise ValueError``): dynamo, tracing it, gives up on the
     frame and marks its code to run without a graph. Before the fix that code was our forward's, so every later
