@@ -4,17 +4,20 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 from typing import Any
 
 from torch import nn
 
 from ._dynamo import compiled_module_of
+from .checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_layout
 from .errors import OffloadSavingWarning
 from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warning
 from .planning import auto
 from .planning.auto import OffloadPlan
 from .offloaded import (OffloadState, OffloadedModule, add_method, detach, install_output_capture, offload_module,
-                        offload_pipeline, state_of)
+                        offload_pipeline, PipelineModules, state_of)
 from .policy import OffloadPolicy, warn_user
 from .runtime import OffloadRuntime, OffloadStats
 
@@ -22,13 +25,18 @@ __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload
            "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault", "register_offload_method"]
 
 
-def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: Any) -> Any:
+def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoint: str | os.PathLike | None = None,
+                    **fields: Any) -> Any:
     """Offload ``model``'s weights to host memory, in place, and run it through graphs with explicit transfers.
 
     ``model`` is an nn.Module — returned, now an `OffloadedModule` — or a pipeline object whose components
     are nn.Module attributes (a diffusers pipeline; returned, its components offloaded). On a pipeline,
     ``layerwise``/``budget``/``auto`` stream its encoders and denoisers block by block and keep the other
-    components (the VAE) on the device; the component strategies alternate its denoisers and encoders."""
+    components (the VAE) on the device; the component strategies alternate its denoisers and encoders.
+
+    ``checkpoint``: a safetensors file or directory (sharded, with its index; for a pipeline, a pipeline folder
+    with a subfolder per component) read straight into the offloaded layout, for a model whose weights are on
+    the meta device (`empty_weights`): the model is never materialised elsewhere first (`checkpoint`)."""
     if policy is None:
         policy = OffloadPolicy(**fields)
     elif fields:
@@ -39,6 +47,8 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
     if state is not None:
         raise ValueError(f"{state.name} is already offloaded (strategy={state.policy.strategy!r}); to change its "
                          f"policy, offload the original again: offload_compile(remove_offload(m), policy)")
+    if checkpoint is not None:
+        _load(model, policy, checkpoint)
     if isinstance(model, nn.Module):
         offload_module(model, policy)
         _check_saving(model, policy)
@@ -48,6 +58,26 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, **fields: A
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
     offload_pipeline(model, policy)
     return model
+
+
+def _load(model: Any, policy: OffloadPolicy, path: str | os.PathLike) -> None:
+    """Read ``path`` into ``model`` laid out as the runtime will pack it (a pipeline: each component from the
+    subfolder of its name). Every component is checked before any is read."""
+    if isinstance(model, nn.Module):
+        load_checkpoint(model, path, load_layout(model, policy))
+        return
+    components = PipelineModules(model)
+    folders = {name: pathlib.Path(path) / name for name, _ in components.named_children()}
+    missing = [name for name, module in components.named_children()
+               if any(t.is_meta for t in module.state_dict(keep_vars=True).values()) and not folders[name].is_dir()]
+    if missing:
+        raise CheckpointError(f"{path} has no subfolder for the components {missing}, whose weights are on the meta "
+                              f"device; a pipeline folder (pipe.save_pretrained) has one per component")
+    present = [(name, module) for name, module in components.named_children() if folders[name].is_dir()]
+    for name, module in present:
+        check_checkpoint(module, folders[name])
+    for name, module in present:
+        load_checkpoint(module, folders[name], [])
 
 
 def register_offload_method(model: Any, name: str) -> None:

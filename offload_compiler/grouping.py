@@ -65,7 +65,7 @@ def check_movable(weights: list[Weight]) -> None:
         listed = "; ".join(f"{name} is {why}" for name, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise ValueError(f"offload_compiler moves plain dense (strided) tensors only (of a subclass weight, its inner "
                          f"tensors): {listed}. Load real weights "
-                         f"(for meta tensors), dequantize, or convert these weights to plain tensors or to a traceable "
+                         f"(for meta tensors: offload_compile(model, policy, checkpoint=path)), dequantize, or convert these weights to plain tensors or to a traceable "
                          f"tensor subclass (one with __tensor_flatten__/__tensor_unflatten__: torchao's quantize_ "
                          f"configs, optimum-quanto, DTensor weights of torch.distributed.tensor.parallel), whose inner "
                          f"tensors are moved")
@@ -376,12 +376,15 @@ def _block_groups(blocks: list[tuple[Block, list[Weight]]], per: int) -> list[Gr
     return groups + ([_merged(run)] if run else [])
 
 
-def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] | None = None) -> list[GroupSpec]:
-    """The weight groups of ``model`` under ``policy``: blocks in definition order, then the other groups."""
+def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] | None = None,
+                loading: bool = False) -> list[GroupSpec]:
+    """The weight groups of ``model`` under ``policy``: blocks in definition order, then the other groups.
+    ``loading``: the weights are still on the meta device, about to be read from a checkpoint."""
     weights = collect_weights(model) if weights is None else weights
     if not policy.offload_buffers:  # buffers are then left alone, on the compute device
         weights = [w for w in weights if not w.is_buffer]
-    check_movable(weights)
+    if not loading:
+        check_movable(weights)
     component_plan = _component_groups(model, policy, weights)
     if component_plan is not None:
         return component_plan

@@ -166,7 +166,7 @@ def with_host_masters(model: nn.Module, specs: list, device: torch.device, accou
                 master = HostMaster(tensor.detach(), device, account)
                 masters[id(tensor)] = nn.Parameter(master, requires_grad=tensor.requires_grad) \
                     if isinstance(tensor, nn.Parameter) else master
-    _replace_in(model, masters)
+    replace_tensors(model, masters)
     return [dataclasses.replace(spec, weights=tuple(dataclasses.replace(w, tensor=masters.get(id(w.tensor), w.tensor))
                                                     for w in spec.weights)) for spec in specs]
 
@@ -176,10 +176,11 @@ def release_masters(model: nn.Module, owns: dict[int, tuple[torch.Tensor, torch.
     parameter or buffer over that copy again."""
     plain = {i: nn.Parameter(own, requires_grad=master.requires_grad) if isinstance(master, nn.Parameter) else own
              for i, (master, own) in owns.items()}
-    _replace_in(model, plain)
+    replace_tensors(model, plain)
 
 
-def _replace_in(model: nn.Module, new: dict[int, torch.Tensor]) -> None:
+def replace_tensors(model: nn.Module, new: dict[int, torch.Tensor]) -> None:
+    """Every parameter or buffer of ``model`` whose id is in ``new`` becomes that tensor (ties stay ties)."""
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():

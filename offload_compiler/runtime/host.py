@@ -17,7 +17,7 @@ from ..grouping import GroupSpec
 from ..host_masters import HostMaster, release_masters
 from ..storage import viewed
 from .device import DeviceStreams, is_accelerator
-from .layout import Group, Leaf, dense_layout, layout_groups, weight_layout
+from .layout import Bucket, Group, Leaf, dense_layout, layout_groups, weight_layout
 from .pinning import HostRegistrations, PinningUnavailable, can_pin, pin_exact
 
 log = logging.getLogger("offload_compiler")
@@ -38,11 +38,13 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
             owner.assign(owner.value.detach().to("cpu"))
         if bucket.host is not None or (owner is not None and not stage_owners):
             continue
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype)
         members = [owner] if owner is not None else [leaf for leaf in group.leaves if leaf.bucket == bi]
-        with torch.no_grad():
-            for leaf in members:
-                leaf.host_view(flat).copy_(leaf.value.detach())
+        flat = None if owner is not None else _laid_out(bucket, members)
+        if flat is None:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+            with torch.no_grad():
+                for leaf in members:
+                    leaf.host_view(flat).copy_(leaf.value.detach())
         if pin:
             try:
                 flat = pin_exact(flat, registrations)
@@ -61,6 +63,22 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
         leaf.host_ptr = leaf.value.data_ptr()
     group.staged = tuple(staged)
     group.packed = True
+
+
+def _laid_out(bucket: Bucket, members: list[Leaf]) -> torch.Tensor | None:
+    """The flat buffer the members already sit in, each at its place (`checkpoint.load_checkpoint` read them
+    there), else None: packing then copies nothing."""
+    values = [viewed(leaf.value) for leaf in members]  # a host master's bytes: the tensor they were cut from
+    if not values or values[0].device.type != "cpu":
+        return None
+    storage = values[0].untyped_storage()
+    if storage.nbytes() != bucket.nbytes:
+        return None
+    for leaf, value in zip(members, values):
+        if (value.untyped_storage().data_ptr() != storage.data_ptr() or value.dtype != bucket.dtype
+                or value.storage_offset() != leaf.offset or tuple(value.stride()) != leaf.stride):
+            return None
+    return torch.empty(0, dtype=bucket.dtype).set_(storage, 0, (bucket.numel,))
 
 
 def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:

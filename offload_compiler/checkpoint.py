@@ -1,0 +1,294 @@
+"""Loading straight from a safetensors checkpoint into the offloaded layout.
+
+``offload_compile(model, policy, checkpoint=PATH)`` takes a model whose weights are on the meta device (built
+under `empty_weights`, accelerate's ``init_empty_weights`` or ``torch.device("meta")``) and reads each weight
+from the checkpoint directly into its place in its group's flat host buffer, as the host store lays it out
+(`runtime.layout.layout_group`), so packing finds the buffers ready and copies nothing: host memory grows by
+the model's bytes and no more, and the model is never materialised anywhere else first.
+
+Safetensors only: its header is JSON and its data raw bytes, so a file a user names cannot run code when
+loaded (a pickled ``.bin``/``.pt`` can). Everything is checked before any byte is read — every weight present
+with its shape, every byte range inside its file — so a truncated or mismatched checkpoint is refused naming
+the tensor, and the model is left as it was (still on meta). Reads use plain ``readinto`` into the buffer, and
+the pages read are dropped from the page cache where the OS allows (``posix_fadvise``), so loading a model
+does not leave a second copy of it in the page cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from .grouping import GroupSpec, plan_groups
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+          "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+FIX = "the checkpoint must be the model's own weights (model.save_pretrained, or safetensors.torch.save_file)"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be loaded into this model (missing, truncated, mismatched or not safetensors).
+    Raised before any weight is read: the model is unchanged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: where its bytes are (absolute offsets in ``file``)."""
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+# -- the checkpoint's index: headers only ----------------------------------------------------------------------
+
+def read_header(path: str) -> dict[str, Entry]:
+    """The tensors of one safetensors file, each checked to lie within the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or 8 + length > size:
+            raise CheckpointError(f"{path} is not a complete safetensors file (its header is cut short: "
+                                  f"{size} bytes); {FIX}")
+        try:
+            meta = json.loads(f.read(length))
+        except ValueError as error:
+            raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON ({error})") from None
+    entries = {}
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{name} in {path} has dtype {info.get('dtype')!r}, which torch cannot hold")
+        shape = tuple(info["shape"])
+        start, end = (8 + length + offset for offset in info["data_offsets"])
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{name} in {path}: {end - start} bytes for shape {list(shape)} of {dtype}; the "
+                                  f"file is corrupt")
+        if end > size:
+            raise CheckpointError(f"{name} in {path} ends at byte {end} but the file has {size}: the file is "
+                                  f"truncated (an interrupted download or copy); {FIX}")
+        entries[name] = Entry(name, path, dtype, shape, start, end)
+    return entries
+
+
+def checkpoint_index(path: str | os.PathLike) -> dict[str, Entry]:
+    """Every tensor of a checkpoint: one ``.safetensors`` file, or a directory holding a sharded checkpoint
+    (its ``*.safetensors.index.json``) or ``.safetensors`` files."""
+    root = pathlib.Path(path)
+    if root.is_file():
+        if root.suffix != ".safetensors":
+            raise CheckpointError(f"{root} is not a .safetensors file. offload_compile loads safetensors only: a "
+                                  f"pickled checkpoint (.bin, .pt, .ckpt) can run code when loaded. Convert it once "
+                                  f"(safetensors.torch.save_file(torch.load(path, weights_only=True), "
+                                  f"'model.safetensors'))")
+        return read_header(str(root))
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} does not exist")
+    indexes = sorted(root.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        files = list(dict.fromkeys(weight_map.values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in root.iterdir())[:8]
+        raise CheckpointError(f"{root} holds no .safetensors file (found {found}); offload_compile loads "
+                              f"safetensors only")
+    entries: dict[str, Entry] = {}
+    for name in files:
+        shard = root / name
+        if not shard.is_file():
+            raise CheckpointError(f"{indexes[0].name} names {name}, which is missing from {root}")
+        entries.update(read_header(str(shard)))
+    return entries
+
+
+# -- matching the model to the checkpoint ---------------------------------------------------------------------
+
+def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Entry]:
+    """Each of the model's weights that the checkpoint holds, by tensor id (a tied weight under any of its
+    names); refuses a weight on meta that it lacks, or holds with another shape."""
+    named: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor):
+            named.setdefault(id(tensor), []).append(name)
+            tensors[id(tensor)] = tensor
+    sources, missing = {}, []
+    for ident, names in named.items():
+        entry = next((entries[n] for n in names if n in entries), None)
+        tensor = tensors[ident]
+        if entry is None:
+            if tensor.is_meta:
+                missing.append(names[0])
+            continue
+        if entry.shape != tuple(tensor.shape):
+            raise CheckpointError(f"{entry.name} has shape {list(entry.shape)} in {entry.file} but "
+                                  f"{list(tensor.shape)} in {type(model).__name__}: the checkpoint is of another "
+                                  f"model or configuration; {FIX}")
+        if type(tensor) not in (torch.Tensor, nn.Parameter):
+            raise CheckpointError(f"{names[0]} is a {type(tensor).__name__}: loading from a checkpoint takes plain "
+                                  f"weights; quantize after loading")
+        sources[ident] = entry
+    if missing:
+        sample = sorted(entries)[:3]
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} weights of {type(model).__name__} that are on the "
+                              f"meta device, such as {missing[:4]} (it holds names such as {sample}); {FIX}")
+    unmet = [n for n, t in model.named_buffers(remove_duplicate=False) if t.is_meta and id(t) not in sources]
+    if unmet:
+        raise CheckpointError(f"{unmet[:4]} are buffers on the meta device that no checkpoint holds (they are computed "
+                              f"when the model is built, like rotary frequencies): build the model under "
+                              f"offload_compiler.empty_weights(), which puts only parameters on meta")
+    unused = sorted(set(entries) - {n for names in named.values() for n in names})
+    if unused:
+        warnings.warn(f"offload_compiler: the checkpoint holds {len(unused)} tensors that {type(model).__name__} "
+                      f"does not have, such as {unused[:4]}; they are not loaded", RuntimeWarning, stacklevel=4)
+    return sources
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+
+class _Reader:
+    """Reads tensors' bytes from their files into given tensors; one open file per shard."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.files: dict[str, Any] = {}
+        self.progress = _progress(total, label)
+
+    def read_into(self, target: torch.Tensor, entry: Entry) -> None:
+        """``target`` (host, the checkpoint's shape) gets the entry's values, cast to its dtype if they differ."""
+        if entry.nbytes:
+            direct = target.dtype == entry.dtype and target.is_contiguous()
+            into = target if direct else torch.empty(entry.shape, dtype=entry.dtype)
+            self._read(into.data_ptr(), entry)
+            if not direct:
+                with torch.no_grad():
+                    target.copy_(into)
+        if self.progress is not None:
+            self.progress.update(entry.nbytes)
+
+    def _read(self, address: int, entry: Entry) -> None:
+        f = self.files.get(entry.file)
+        if f is None:
+            f = self.files[entry.file] = open(entry.file, "rb", buffering=0)
+        view = memoryview((ctypes.c_char * entry.nbytes).from_address(address)).cast("B")
+        f.seek(entry.start)
+        done = 0
+        while done < entry.nbytes:
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{entry.file} ended while reading {entry.name} ({done} of {entry.nbytes} "
+                                      f"bytes): the file changed or was truncated while loading")
+            done += got
+        if hasattr(os, "posix_fadvise"):  # the bytes are in the buffer now: no second copy in the page cache
+            os.posix_fadvise(f.fileno(), entry.start, entry.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def _progress(total: int, label: str) -> Any:
+    """A progress bar over the bytes loaded where tqdm is installed (shown on a terminal, as transformers'
+    and diffusers' are), else none."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {label}", disable=None, leave=False)
+
+
+# -- loading --------------------------------------------------------------------------------------------------
+
+def check_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict[int, Entry]:
+    """Where each of ``model``'s weights is in the checkpoint at ``path``, everything checked; reads no weight."""
+    return _sources(model, checkpoint_index(path))
+
+
+def load_layout(model: nn.Module, policy: Any) -> list[GroupSpec]:
+    """The groups the runtime will pack ``model``'s weights in, known before they are loaded; none under
+    ``auto``, which chooses them at its first call (its weights are then packed by copying, group by group)."""
+    if policy.strategy == "auto":
+        return []
+    return plan_groups(model, policy, loading=True)
+
+
+def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[GroupSpec]) -> None:
+    """Give ``model`` the checkpoint's weights: those of ``specs`` (the groups the runtime will build, laid out
+    as it lays them out) as views into one new flat host buffer per group and dtype, the others in tensors of
+    their own. Checked in full before any byte is read; the model's tensors are replaced only once every read
+    succeeded, so a failure leaves the model as it was."""
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors stores little-endian bytes; this host is big-endian")
+    from .host_masters import replace_tensors
+    from .runtime.layout import layout_group
+
+    sources = check_checkpoint(model, path)
+    tensors = {id(t): t for _, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    targets: dict[int, torch.Tensor] = {}
+    for index, spec in enumerate(specs):
+        group = layout_group(index, spec)
+        flats = [torch.empty(b.numel, dtype=b.dtype) for b in group.buckets]
+        for leaf in group.leaves:
+            if type(leaf.tensor) not in (torch.Tensor, nn.Parameter):  # packed from itself, as without a checkpoint
+                continue
+            view = leaf.host_view(flats[leaf.bucket])
+            if id(leaf.tensor) not in sources:  # a real weight the checkpoint lacks (a buffer computed at
+                with torch.no_grad():           # construction): its bytes join the group's buffer too
+                    view.copy_(leaf.value)
+                tensors.setdefault(id(leaf.tensor), leaf.tensor)
+            targets[id(leaf.tensor)] = view
+    for ident, entry in sources.items():
+        if ident not in targets:
+            targets[ident] = torch.empty(entry.shape, dtype=tensors[ident].dtype)
+    reader = _Reader(sum(e.nbytes for e in sources.values()), type(model).__name__)
+    try:
+        for ident, entry in sources.items():
+            reader.read_into(targets[ident], entry)
+    finally:
+        reader.close()
+    new = {ident: nn.Parameter(targets[ident], requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+           else targets[ident] for ident, t in tensors.items() if ident in targets}
+    replace_tensors(model, new)
+
+
+@contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build a model with its parameters on the meta device (no memory, no initialisation cost) and its
+    buffers real (rotary frequencies and other values computed at construction, which no checkpoint holds):
+    ``with empty_weights(): model = Model(config)``, then ``offload_compile(model, policy, checkpoint=path)``."""
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()

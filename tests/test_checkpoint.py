@@ -1,0 +1,264 @@
+"""Loading straight from a safetensors checkpoint (issue 29): a model built with its weights on meta is read
+into the offloaded layout, runs as the model that saved the checkpoint, and packing copies nothing; a bad
+checkpoint is refused naming the tensor, with the model left as it was."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from offload_compiler import (CheckpointError, OffloadPolicy, empty_weights, offload_compile, offload_stats,
+                              remove_offload)
+from offload_compiler.offloaded import state_of
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.fc(x))) + x
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+        self.register_buffer("scale", torch.full((d,), 0.5), persistent=False)
+
+    def forward(self, x):
+        h = self.embed(x) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _saved(tmp_path, model, name="model.safetensors"):
+    path = tmp_path / name
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def _reference(seed=0):
+    torch.manual_seed(seed)
+    return Net().eval()
+
+
+def _empty():
+    with empty_weights():
+        return Net().eval()
+
+
+def test_empty_weights_puts_parameters_on_meta_and_keeps_buffers():
+    model = _empty()
+    assert all(p.is_meta for p in model.parameters())
+    assert not model.scale.is_meta and torch.equal(model.scale, torch.full((16,), 0.5))
+    assert not nn.Linear(2, 2).weight.is_meta  # only inside the block
+
+
+def test_loaded_model_runs_as_the_saved_one_and_packing_copies_nothing(tmp_path):
+    ref = _reference()
+    path = _saved(tmp_path, ref)
+    model = offload_compile(_empty(), OffloadPolicy(strategy="layerwise"), checkpoint=path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    stats = offload_stats(model)
+    runtime = state_of(model).runtime
+    assert stats.bytes_transferred == runtime.total_bytes and stats.fetch_count == len(runtime.groups)
+    # every weight of a group is a view into the buffer the loader filled: the store adopted it, no copy
+    for group in runtime.groups:
+        for slot in group.slots:
+            (leaf,) = slot.leaves
+            bucket = group.buckets[leaf.bucket]
+            assert slot.tensor.untyped_storage().data_ptr() == bucket.host.untyped_storage().data_ptr()
+    assert not any(p.is_meta for p in model.parameters())
+    plain = remove_offload(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), ref.state_dict().values()))
+
+
+def test_tied_weights_and_a_sharded_directory(tmp_path):
+    ref = _reference(1)
+    ref.head.weight = nn.Parameter(torch.randn(3, 16))
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = offload_compile(_empty(), OffloadPolicy(strategy="sequential"), checkpoint=tmp_path)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_transformers_model_saved_with_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    with empty_weights():
+        model = transformers.GPT2LMHeadModel(cfg).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied on meta; saved once
+    model = offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path)
+    ids = torch.randint(0, 50, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert offload_stats(model).bytes_transferred > 0
+
+
+def test_a_checkpoint_in_another_dtype_is_cast_to_the_models(tmp_path):
+    ref = _reference(2)
+    path = tmp_path / "half.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}, str(path))
+    model = offload_compile(_empty(), OffloadPolicy(strategy="layerwise"), checkpoint=path)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    expected = ref.to(torch.bfloat16).float()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected(x))
+
+
+def _refused(path, model=None):
+    model = model if model is not None else _empty()
+    with pytest.raises(CheckpointError) as info:
+        offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=path)
+    assert state_of(model) is None and all(p.is_meta for p in model.parameters())  # untouched
+    return str(info.value)
+
+
+def test_a_truncated_checkpoint_is_refused_naming_the_tensor(tmp_path):
+    path = _saved(tmp_path, _reference())
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    message = _refused(path)
+    assert "truncated" in message and "head." in message  # the last tensor in the file is cut
+
+
+def test_a_checkpoint_of_another_shape_or_missing_a_weight_is_refused(tmp_path):
+    ref = _reference()
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    wrong = dict(state, **{"blocks.2.fc.weight": torch.zeros(4, 4)})
+    save_file(wrong, str(tmp_path / "wrong.safetensors"))
+    assert "blocks.2.fc.weight has shape [4, 4]" in _refused(tmp_path / "wrong.safetensors")
+    lacking = {k: v for k, v in state.items() if k != "blocks.1.norm.bias"}
+    save_file(lacking, str(tmp_path / "lacking.safetensors"))
+    assert "blocks.1.norm.bias" in _refused(tmp_path / "lacking.safetensors")
+
+
+def test_pickles_and_missing_paths_are_refused(tmp_path):
+    torch.save(_reference().state_dict(), tmp_path / "model.bin")
+    assert "safetensors only" in _refused(tmp_path / "model.bin")
+    assert "does not exist" in _refused(tmp_path / "nowhere")
+    assert "no .safetensors file" in _refused(tmp_path)
+
+
+def test_buffers_on_meta_that_no_checkpoint_holds_name_empty_weights(tmp_path):
+    path = _saved(tmp_path, _reference())
+    with torch.device("meta"):
+        model = Net()
+    message = _refused(path, model)
+    assert "scale" in message and "empty_weights()" in message
+
+
+def test_a_read_that_fails_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    from offload_compiler import checkpoint
+    path = _saved(tmp_path, _reference())
+    calls = []
+    real = checkpoint._Reader._read
+
+    def failing(self, address, entry):
+        calls.append(entry.name)
+        if len(calls) == 5:
+            raise OSError("disk error")
+        return real(self, address, entry)
+
+    monkeypatch.setattr(checkpoint._Reader, "_read", failing)
+    model = _empty()
+    with pytest.raises(OSError):
+        offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=path)
+    assert state_of(model) is None and all(p.is_meta for p in model.parameters())
+    monkeypatch.setattr(checkpoint._Reader, "_read", real)
+    model = offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=path)  # and it loads after
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), _reference()(x))
+
+
+def test_auto_and_simulated_device_load_too(tmp_path):
+    from offload_compiler.testing import simulated_device
+    ref = _reference(3)
+    path = _saved(tmp_path, ref)
+    x = torch.randn(2, 8)
+    device = simulated_device()
+    model = offload_compile(_empty(), OffloadPolicy(strategy="layerwise", device=device), checkpoint=path)
+    with torch.no_grad():
+        out = model(x.to(device))
+    with torch.no_grad():  # the simulated device's kernels round as the CPU's do, up to the matmul path taken
+        torch.testing.assert_close(out.cpu(), ref(x))
+    stats = offload_stats(model)
+    assert stats.on_demand_bytes == 0 and stats.bytes_transferred == state_of(model).runtime.total_bytes
+    runtime = state_of(model).runtime  # adopted on the device path too: the masters' bytes are the loaded buffers
+    leaf = runtime.groups[1].slots[0].leaves[0]
+    assert leaf.value.data_ptr() == runtime.groups[1].buckets[leaf.bucket].host.data_ptr() + 4 * leaf.offset
+    model = offload_compile(_empty(), OffloadPolicy(strategy="auto", device_budget_gb=1.0), checkpoint=path)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+_LOAD = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    from offload_compiler import OffloadPolicy, empty_weights, offload_compile
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(40))
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+    if sys.argv[1] == "save":
+        from safetensors.torch import save_file
+        save_file(Stack().state_dict(), sys.argv[2])
+        sys.exit()
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    with empty_weights():
+        model = Stack()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) restarts from the resident size now
+    before = status("VmRSS:")
+    offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=sys.argv[2])
+    print(before, status("VmHWM:"))
+""")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/status")
+def test_peak_host_memory_while_loading_is_the_model_and_no_more(tmp_path):
+    """The peak resident size of a fresh process (Linux): loading a 168 MB checkpoint grows the peak by the model's bytes plus at
+    most 10% (no second copy: not read into tensors of their own and then packed)."""
+    script = tmp_path / "load.py"
+    script.write_text(_LOAD)
+    path = str(tmp_path / "stack.safetensors")
+    subprocess.run([sys.executable, str(script), "save", path], check=True)
+    out = subprocess.run([sys.executable, str(script), "load", path], check=True, capture_output=True, text=True)
+    before, after = map(int, out.stdout.split())
+    model_bytes = os.path.getsize(path)
+    assert after - before <= 1.1 * model_bytes, (after - before, model_bytes)
+    assert after - before >= 0.9 * model_bytes  # the weights are really in memory (not left on meta)
