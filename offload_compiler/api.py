@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from ._dynamo import compiled_module_of
+from .storage import forget_filled
 from .checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_layout
 from .errors import OffloadSavingWarning
 from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warning
@@ -47,16 +48,19 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     if state is not None:
         raise ValueError(f"{state.name} is already offloaded (strategy={state.policy.strategy!r}); to change its "
                          f"policy, offload the original again: offload_compile(remove_offload(m), policy)")
-    if checkpoint is not None:
-        _load(model, policy, checkpoint)
-    if isinstance(model, nn.Module):
-        offload_module(model, policy)
-        _check_saving(model, policy)
-        return model
-    if policy.strategy == "none":
+    if not isinstance(model, nn.Module) and policy.strategy == "none":
         raise TypeError(f"strategy='none' keeps every weight on the device: for a pipeline object "
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
-    offload_pipeline(model, policy)
+    try:
+        if checkpoint is not None:
+            _load(model, policy, checkpoint)
+        if not isinstance(model, nn.Module):
+            offload_pipeline(model, policy)
+            return model
+        offload_module(model, policy)
+    finally:
+        forget_filled()  # buffers read from the checkpoint that packing did not take are the weights' own
+    _check_saving(model, policy)
     return model
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .grouping import GroupSpec, plan_groups
+from .storage import offer_filled
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -251,9 +252,11 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
     sources = check_checkpoint(model, path)
     tensors = {id(t): t for _, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     targets: dict[int, torch.Tensor] = {}
+    flats_made: list[torch.Tensor] = []
     for index, spec in enumerate(specs):
         group = layout_group(index, spec)
         flats = [torch.empty(b.numel, dtype=b.dtype) for b in group.buckets]
+        flats_made += flats
         for leaf in group.leaves:
             if type(leaf.tensor) not in (torch.Tensor, nn.Parameter):  # packed from itself, as without a checkpoint
                 continue
@@ -272,6 +275,8 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
             reader.read_into(targets[ident], entry)
     finally:
         reader.close()
+    for flat in flats_made:
+        offer_filled(flat)
     new = {ident: nn.Parameter(targets[ident], requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
            else targets[ident] for ident, t in tensors.items() if ident in targets}
     replace_tensors(model, new)

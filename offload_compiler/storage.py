@@ -27,3 +27,23 @@ def viewed(value: torch.Tensor) -> torch.Tensor:
     """The tensor an `own_storage` alias was cut from (its storage is the one other tensors may share), else
     ``value`` itself."""
     return getattr(value, "_offload_base", value)
+
+
+_FILLED: dict[int, torch.Tensor] = {}  # storage address -> a flat host buffer laid out as a group's bucket
+
+
+def offer_filled(flat: torch.Tensor) -> None:
+    """``flat`` was filled laid out as a group's bucket (`checkpoint.load_checkpoint`): packing takes it as the
+    bucket's buffer instead of copying into a new one (`take_filled`), until `forget_filled`."""
+    _FILLED[flat.untyped_storage().data_ptr()] = flat
+
+
+def take_filled(storage: torch.UntypedStorage) -> torch.Tensor | None:
+    """The buffer offered over ``storage``, once; None where none was (the weights' own storage, or a
+    file-backed mapping such as a model loaded by ``from_pretrained``: packing copies those)."""
+    return _FILLED.pop(storage.data_ptr(), None) if storage.data_ptr() else None
+
+
+def forget_filled() -> None:
+    """The offers not taken (packing is over, or failed) are dropped."""
+    _FILLED.clear()

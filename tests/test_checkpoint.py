@@ -67,9 +67,20 @@ def test_empty_weights_puts_parameters_on_meta_and_keeps_buffers():
     assert not nn.Linear(2, 2).weight.is_meta  # only inside the block
 
 
-def test_loaded_model_runs_as_the_saved_one_and_packing_copies_nothing(tmp_path):
+def _offered(monkeypatch) -> list[int]:
+    """The addresses of the buffers the loader fills and offers to packing."""
+    from offload_compiler import checkpoint
+    offered = []
+    real = checkpoint.offer_filled
+    monkeypatch.setattr(checkpoint, "offer_filled",
+                        lambda flat: (offered.append(flat.untyped_storage().data_ptr()), real(flat)))
+    return offered
+
+
+def test_loaded_model_runs_as_the_saved_one_and_packing_copies_nothing(tmp_path, monkeypatch):
     ref = _reference()
     path = _saved(tmp_path, ref)
+    offered = _offered(monkeypatch)
     model = offload_compile(_empty(), OffloadPolicy(strategy="layerwise"), checkpoint=path)
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -77,12 +88,13 @@ def test_loaded_model_runs_as_the_saved_one_and_packing_copies_nothing(tmp_path)
     stats = offload_stats(model)
     runtime = state_of(model).runtime
     assert stats.bytes_transferred == runtime.total_bytes and stats.fetch_count == len(runtime.groups)
-    # every weight of a group is a view into the buffer the loader filled: the store adopted it, no copy
+    # every group's buffer is the one the loader filled (packing took it, no copy), and its weights views of it
+    hosts = [b.host.untyped_storage().data_ptr() for g in runtime.groups for b in g.buckets]
+    assert sorted(hosts) == sorted(offered) and len(set(hosts)) == len(runtime.groups)
     for group in runtime.groups:
         for slot in group.slots:
             (leaf,) = slot.leaves
-            bucket = group.buckets[leaf.bucket]
-            assert slot.tensor.untyped_storage().data_ptr() == bucket.host.untyped_storage().data_ptr()
+            assert slot.tensor.untyped_storage().data_ptr() == group.buckets[leaf.bucket].host.untyped_storage().data_ptr()
     assert not any(p.is_meta for p in model.parameters())
     plain = remove_offload(model)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), ref.state_dict().values()))
@@ -139,6 +151,20 @@ def _refused(path, model=None):
         offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=path)
     assert state_of(model) is None and all(p.is_meta for p in model.parameters())  # untouched
     return str(info.value)
+
+
+def test_a_model_loaded_by_from_pretrained_style_mmap_is_copied_not_taken(tmp_path):
+    """Weights over the checkpoint file's own mapping (safetensors' load_file mmaps it) are not buffers
+    offered by the loader: packing copies them into memory of its own."""
+    from safetensors.torch import load_file
+    ref = _reference()
+    path = _saved(tmp_path, ref)
+    model = _empty()
+    model.load_state_dict(load_file(str(path)), assign=True)
+    mapped = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    model = offload_compile(model, OffloadPolicy(strategy="layerwise"))
+    hosts = {b.host.untyped_storage().data_ptr() for g in state_of(model).runtime.groups for b in g.buckets}
+    assert not hosts & mapped
 
 
 def test_a_truncated_checkpoint_is_refused_naming_the_tensor(tmp_path):
@@ -199,10 +225,11 @@ def test_a_read_that_fails_leaves_the_model_as_it_was(tmp_path, monkeypatch):
         assert torch.equal(model(x), _reference()(x))
 
 
-def test_auto_and_simulated_device_load_too(tmp_path):
+def test_auto_and_simulated_device_load_too(tmp_path, monkeypatch):
     from offload_compiler.testing import simulated_device
     ref = _reference(3)
     path = _saved(tmp_path, ref)
+    offered = _offered(monkeypatch)
     x = torch.randn(2, 8)
     device = simulated_device()
     model = offload_compile(_empty(), OffloadPolicy(strategy="layerwise", device=device), checkpoint=path)
@@ -212,9 +239,9 @@ def test_auto_and_simulated_device_load_too(tmp_path):
         torch.testing.assert_close(out.cpu(), ref(x))
     stats = offload_stats(model)
     assert stats.on_demand_bytes == 0 and stats.bytes_transferred == state_of(model).runtime.total_bytes
-    runtime = state_of(model).runtime  # adopted on the device path too: the masters' bytes are the loaded buffers
-    leaf = runtime.groups[1].slots[0].leaves[0]
-    assert leaf.value.data_ptr() == runtime.groups[1].buckets[leaf.bucket].host.data_ptr() + 4 * leaf.offset
+    runtime = state_of(model).runtime  # taken on the device path too: the masters' bytes are the loaded buffers
+    hosts = [b.host.untyped_storage().data_ptr() for g in runtime.groups for b in g.buckets]
+    assert sorted(hosts) == sorted(offered)
     model = offload_compile(_empty(), OffloadPolicy(strategy="auto", device_budget_gb=1.0), checkpoint=path)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
@@ -262,3 +289,32 @@ def test_peak_host_memory_while_loading_is_the_model_and_no_more(tmp_path):
     model_bytes = os.path.getsize(path)
     assert after - before <= 1.1 * model_bytes, (after - before, model_bytes)
     assert after - before >= 0.9 * model_bytes  # the weights are really in memory (not left on meta)
+
+
+def test_a_pipeline_folder_loads_each_component_from_its_subfolder(tmp_path):
+    pytest.importorskip("diffusers")
+    from offload_compiler.testing.models import DiffusionPipeline, _diffusion_parts
+    text_encoder, transformer, vae, inputs = _diffusion_parts(4)
+    reference = DiffusionPipeline(text_encoder, transformer, vae)
+    for name in ("text_encoder", "transformer", "vae"):
+        getattr(reference, name).save_pretrained(tmp_path / name)
+    expected = reference(**inputs)
+    with empty_weights():
+        pipe = DiffusionPipeline(*_diffusion_parts(5)[:3])  # other random weights, then on meta
+    assert all(p.is_meta for p in pipe.transformer.parameters())
+    offload_compile(pipe, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path)
+    torch.testing.assert_close(pipe(**inputs), expected)
+    assert offload_stats(pipe).bytes_transferred > 0
+
+
+def test_a_pipeline_folder_missing_a_component_is_refused_before_any_is_read(tmp_path):
+    pytest.importorskip("diffusers")
+    from offload_compiler.testing.models import DiffusionPipeline, _diffusion_parts
+    text_encoder, transformer, vae, _ = _diffusion_parts(4)
+    text_encoder.save_pretrained(tmp_path / "text_encoder")
+    transformer.save_pretrained(tmp_path / "transformer")
+    with empty_weights():
+        pipe = DiffusionPipeline(*_diffusion_parts(5)[:3])
+    with pytest.raises(CheckpointError, match=r"\['vae'\]"):
+        offload_compile(pipe, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path)
+    assert all(p.is_meta for p in pipe.text_encoder.parameters())  # nothing read

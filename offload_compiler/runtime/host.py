@@ -15,7 +15,7 @@ from torch import nn
 
 from ..grouping import GroupSpec
 from ..host_masters import HostMaster, release_masters
-from ..storage import viewed
+from ..storage import take_filled, viewed
 from .device import DeviceStreams, is_accelerator
 from .layout import Bucket, Group, Leaf, dense_layout, layout_groups, weight_layout
 from .pinning import HostRegistrations, PinningUnavailable, can_pin, pin_exact
@@ -66,19 +66,17 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
 
 
 def _laid_out(bucket: Bucket, members: list[Leaf]) -> torch.Tensor | None:
-    """The flat buffer the members already sit in, each at its place (`checkpoint.load_checkpoint` read them
-    there), else None: packing then copies nothing."""
+    """The buffer the members were read into, each at its place (`checkpoint.load_checkpoint` offers it),
+    else None: packing then copies nothing."""
     values = [viewed(leaf.value) for leaf in members]  # a host master's bytes: the tensor they were cut from
-    if not values or values[0].device.type != "cpu":
-        return None
-    storage = values[0].untyped_storage()
-    if storage.nbytes() != bucket.nbytes:
+    flat = take_filled(values[0].untyped_storage()) if values and values[0].device.type == "cpu" else None
+    if flat is None or flat.dtype != bucket.dtype or flat.numel() != bucket.numel:
         return None
     for leaf, value in zip(members, values):
-        if (value.untyped_storage().data_ptr() != storage.data_ptr() or value.dtype != bucket.dtype
+        if (value.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
                 or value.storage_offset() != leaf.offset or tuple(value.stride()) != leaf.stride):
             return None
-    return torch.empty(0, dtype=bucket.dtype).set_(storage, 0, (bucket.numel,))
+    return flat
 
 
 def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
