@@ -32,6 +32,8 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .grouping import GroupSpec, plan_groups
+from .host_masters import replace_tensors
+from .runtime.layout import layout_group
 from .storage import offer_filled
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -246,9 +248,6 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
     succeeded, so a failure leaves the model as it was."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors stores little-endian bytes; this host is big-endian")
-    from .host_masters import replace_tensors
-    from .runtime.layout import layout_group
-
     sources = check_checkpoint(model, path)
     tensors = {id(t): t for _, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     targets: dict[int, torch.Tensor] = {}

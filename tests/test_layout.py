@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("grouping", ("offload_compiler.grouping",)),
     ("passes", ("offload_compiler.passes",)),
     ("runtime", ("offload_compiler.runtime", "offload_compiler.ops")),
-    ("backend", ("offload_compiler.backend", "offload_compiler.lowering")),
+    ("backend", ("offload_compiler.backend", "offload_compiler.lowering", "offload_compiler.checkpoint")),
     ("planning", ("offload_compiler.planning",)),
     ("api", ("offload_compiler.offloaded", "offload_compiler.api", "offload_compiler")),
     ("top", ("offload_compiler.cli", "offload_compiler.__main__", "offload_compiler.testing")),
