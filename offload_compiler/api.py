@@ -68,7 +68,7 @@ def _load(model: Any, policy: OffloadPolicy, path: str | os.PathLike) -> None:
     """Read ``path`` into ``model`` laid out as the runtime will pack it (a pipeline: each component from the
     subfolder of its name). Every component is checked before any is read."""
     if isinstance(model, nn.Module):
-        load_checkpoint(model, path, load_layout(model, policy))
+        load_checkpoint(model, path, load_layout(model, policy), policy.host_budget_bytes, policy.disk_dir)
         return
     components = PipelineModules(model)
     folders = {name: pathlib.Path(path) / name for name, _ in components.named_children()}

@@ -33,6 +33,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .grouping import GroupSpec, plan_groups
 from .host_masters import replace_tensors
+from .runtime.disk import DiskFile, disk_groups
 from .runtime.layout import layout_group
 from .storage import offer_filled
 
@@ -241,44 +242,76 @@ def load_layout(model: nn.Module, policy: Any) -> list[GroupSpec]:
     return plan_groups(model, policy, loading=True)
 
 
-def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[GroupSpec]) -> None:
+def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[GroupSpec],
+                    host_budget: int | None = None, disk_dir: str | None = None) -> None:
     """Give ``model`` the checkpoint's weights: those of ``specs`` (the groups the runtime will build, laid out
-    as it lays them out) as views into one new flat host buffer per group and dtype, the others in tensors of
-    their own. Checked in full before any byte is read; the model's tensors are replaced only once every read
-    succeeded, so a failure leaves the model as it was."""
+    as it lays them out) as views into one new flat buffer per group and dtype — in host memory, or for the
+    groups beyond ``host_budget`` (`runtime.disk.disk_groups`, as the host store chooses them) in a file under
+    ``disk_dir``, written through one tensor-sized buffer —, the others in tensors of their own. Checked in full
+    before any byte is read; the model's tensors are replaced only once every read succeeded, so a failure
+    leaves the model as it was."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors stores little-endian bytes; this host is big-endian")
     sources = check_checkpoint(model, path)
     tensors = {id(t): t for _, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
-    targets: dict[int, torch.Tensor] = {}
-    flats_made: list[torch.Tensor] = []
-    for index, spec in enumerate(specs):
-        group = layout_group(index, spec)
-        flats = [torch.empty(b.numel, dtype=b.dtype) for b in group.buckets]
-        flats_made += flats
+    groups = [layout_group(index, spec) for index, spec in enumerate(specs)]
+    on_disk = disk_groups(groups, host_budget) if host_budget is not None else frozenset()
+    buffers: dict[tuple[int, int], torch.Tensor | DiskFile] = {}  # (group, bucket) -> its flat, or its file
+    places: dict[int, tuple[Any, tuple[int, int]]] = {}  # weight id -> (its leaf, (group, bucket))
+    for group in groups:
+        for bi, bucket in enumerate(group.buckets):
+            buffers[group.index, bi] = DiskFile(disk_dir, bucket.nbytes) if group.index in on_disk else \
+                torch.empty(bucket.numel, dtype=bucket.dtype)
         for leaf in group.leaves:
-            if type(leaf.tensor) not in (torch.Tensor, nn.Parameter):  # packed from itself, as without a checkpoint
-                continue
-            view = leaf.host_view(flats[leaf.bucket])
-            if id(leaf.tensor) not in sources:  # a real weight the checkpoint lacks (a buffer computed at
-                with torch.no_grad():           # construction): its bytes join the group's buffer too
-                    view.copy_(leaf.value)
+            if type(leaf.tensor) in (torch.Tensor, nn.Parameter):  # a subclass is packed from itself, as always
+                places[id(leaf.tensor)] = (leaf, (group.index, leaf.bucket))
                 tensors.setdefault(id(leaf.tensor), leaf.tensor)
-            targets[id(leaf.tensor)] = view
-    for ident, entry in sources.items():
-        if ident not in targets:
-            targets[ident] = torch.empty(entry.shape, dtype=tensors[ident].dtype)
+    own = {ident: torch.empty(entry.shape, dtype=tensors[ident].dtype) for ident, entry in sources.items()
+           if ident not in places}
     reader = _Reader(sum(e.nbytes for e in sources.values()), type(model).__name__)
+    largest = max((leaf.numel * leaf.value.element_size() for leaf, key in places.values() if key[0] in on_disk),
+                  default=0)
+    bounce = torch.empty(largest, dtype=torch.uint8)  # one buffer every weight bound for a file goes through
     try:
-        for ident, entry in sources.items():
-            reader.read_into(targets[ident], entry)
+        for ident, (leaf, key) in places.items():
+            _fill_place(leaf, buffers[key], sources.get(ident), reader, bounce)
+        for ident, target in own.items():
+            reader.read_into(target, sources[ident])
+        flats = {key: b.mapped(groups[key[0]].buckets[key[1]].dtype, groups[key[0]].buckets[key[1]].numel)
+                 if isinstance(b, DiskFile) else b for key, b in buffers.items()}
+    except BaseException:
+        for buffer in buffers.values():
+            if isinstance(buffer, DiskFile):
+                buffer.close()
+        raise
     finally:
         reader.close()
-    for flat in flats_made:
-        offer_filled(flat)
-    new = {ident: nn.Parameter(targets[ident], requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
-           else targets[ident] for ident, t in tensors.items() if ident in targets}
+    for key, flat in flats.items():
+        buffer = buffers[key]
+        offer_filled(flat, buffer if isinstance(buffer, DiskFile) else None)
+    targets = dict(own)
+    targets.update((ident, leaf.host_view(flats[key])) for ident, (leaf, key) in places.items())
+    new = {ident: nn.Parameter(target, requires_grad=tensors[ident].requires_grad)
+           if isinstance(tensors[ident], nn.Parameter) else target for ident, target in targets.items()}
     replace_tensors(model, new)
+
+
+def _fill_place(leaf: Any, buffer: torch.Tensor | DiskFile, entry: Entry | None, reader: _Reader,
+                bounce: torch.Tensor) -> None:
+    """A weight's bytes into its place in its group's flat buffer, or in its file (through ``bounce``): from
+    the checkpoint, or, for a real weight the checkpoint lacks (a buffer computed at construction), from the
+    weight itself."""
+    in_memory = isinstance(buffer, torch.Tensor)
+    dtype = leaf.value.dtype
+    target = leaf.host_view(buffer) if in_memory else \
+        bounce[:leaf.numel * dtype.itemsize].view(dtype).as_strided(leaf.shape, leaf.stride)
+    if entry is not None:
+        reader.read_into(target, entry)
+    else:
+        with torch.no_grad():
+            target.copy_(leaf.value)
+    if not in_memory:
+        buffer.write(leaf.offset * target.element_size(), target)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ COMPONENT_STRATEGIES = ("alternating", "model")
 COMPILERS = ("eager", "inductor")
 GIB = 1 << 30
 KNOWN = IMPLEMENTED_STRATEGIES + PLANNER_STRATEGIES
+DISK_STRATEGIES = ("layerwise", "budget", "sequential")
 
 
 def default_device() -> str:
@@ -94,6 +95,10 @@ class OffloadPolicy:
     keep_after_use:    ``alternating``/``model``: a component stays on the device after its forward until
                        another component needs the room (latency-minimising, the default); False evicts it
                        after use (memory-saving).
+    host_budget_gb:    GiB of host memory the packed weights may hold; the streamed groups beyond it (the
+                       largest first) stay in files under ``disk_dir`` and are read from there at each fetch
+                       (layerwise, budget, sequential).
+    disk_dir:          an existing directory for those files (on a fast local disk); needs ``host_budget_gb``.
 
     ``alternating``: when a component runs it is on the device and the other components are not.
     ``model``: diffusion model-level offload: the DiT modules (``transformer``, ``transformer_2``, ``dit``,
@@ -117,6 +122,8 @@ class OffloadPolicy:
     components: tuple[str, ...] | None = None
     keep_after_use: bool = True
     prefetch_next_call: bool = False
+    host_budget_gb: float | None = None
+    disk_dir: str | None = None
 
     def __new__(cls, *args: Any, **fields: Any) -> "OffloadPolicy":
         _refuse_unknown_fields(cls, fields)
@@ -172,6 +179,7 @@ class OffloadPolicy:
         if self.prefetch_next_call and self.prefetch == 0 and strategy != "auto":
             raise ValueError("prefetch_next_call=True needs prefetch >= 1: it moves the first prefetches of a call "
                              "into the previous call")
+        self._validate_disk(strategy)
         if self.blocks_attr is not None:
             attrs = _names(self.blocks_attr)
             if not attrs or not all(isinstance(a, str) and a for a in attrs):
@@ -197,6 +205,32 @@ class OffloadPolicy:
         if strategy != "auto" and budget is not None:
             raise ValueError(f"device_budget_gb is used by strategy='auto' only; got strategy={strategy!r}. "
                              f"Use strategy='auto', or offload_gb with strategy='budget'")
+
+    def _validate_disk(self, strategy: str) -> None:
+        budget, folder = self.host_budget_gb, self.disk_dir
+        if budget is None and folder is None:
+            return
+        if budget is None or folder is None:
+            raise ValueError("host_budget_gb and disk_dir go together: host_budget_gb GiB of weights stay in host "
+                             "memory and the streamed groups beyond it are read from files in disk_dir (e.g. "
+                             "OffloadPolicy(host_budget_gb=16, disk_dir='/mnt/nvme/offload'))")
+        if not _is_finite(budget) or budget < 0:
+            raise ValueError(f"host_budget_gb must be a number of GiB >= 0 (finite); got {budget!r}")
+        object.__setattr__(self, "host_budget_gb", float(budget))
+        if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+            raise ValueError(f"disk_dir must be an existing directory; got {folder!r}")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"disk_dir={str(folder)!r} is not writable: the weights beyond host_budget_gb are "
+                             f"written there")
+        object.__setattr__(self, "disk_dir", os.fspath(folder))
+        if strategy not in DISK_STRATEGIES:
+            raise ValueError(f"host_budget_gb (the disk tier) applies to strategies {DISK_STRATEGIES}, which stream "
+                             f"groups at every call; strategy={strategy!r} does not (strategy='auto' does not plan "
+                             f"host memory yet: use 'layerwise' or 'budget')")
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        return None if self.host_budget_gb is None else int(self.host_budget_gb * GIB)
 
     @property
     def offload_bytes(self) -> int | None:

@@ -3,6 +3,8 @@ what a custom op's outputs need (they must not share storage)."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
 
@@ -29,17 +31,23 @@ def viewed(value: torch.Tensor) -> torch.Tensor:
     return getattr(value, "_offload_base", value)
 
 
-_FILLED: dict[int, torch.Tensor] = {}  # storage address -> a flat host buffer laid out as a group's bucket
+class Filled(NamedTuple):
+    """A flat host buffer filled laid out as a group's bucket, and the `runtime.disk.DiskFile` it maps, if any."""
+    flat: torch.Tensor
+    file: Any = None
 
 
-def offer_filled(flat: torch.Tensor) -> None:
+_FILLED: dict[int, Filled] = {}  # storage address -> what was filled there
+
+
+def offer_filled(flat: torch.Tensor, file: Any = None) -> None:
     """``flat`` was filled laid out as a group's bucket (`checkpoint.load_checkpoint`): packing takes it as the
     bucket's buffer instead of copying into a new one (`take_filled`), until `forget_filled`."""
-    _FILLED[flat.untyped_storage().data_ptr()] = flat
+    _FILLED[flat.untyped_storage().data_ptr()] = Filled(flat, file)
 
 
-def take_filled(storage: torch.UntypedStorage) -> torch.Tensor | None:
-    """The buffer offered over ``storage``, once; None where none was (the weights' own storage, or a
+def take_filled(storage: torch.UntypedStorage) -> Filled | None:
+    """What was offered over ``storage``, once; None where nothing was (the weights' own storage, or a
     file-backed mapping such as a model loaded by ``from_pretrained``: packing copies those)."""
     return _FILLED.pop(storage.data_ptr(), None) if storage.data_ptr() else None
 

@@ -73,7 +73,7 @@ def _offered(monkeypatch) -> list[int]:
     offered = []
     real = checkpoint.offer_filled
     monkeypatch.setattr(checkpoint, "offer_filled",
-                        lambda flat: (offered.append(flat.untyped_storage().data_ptr()), real(flat)))
+                        lambda flat, file=None: (offered.append(flat.untyped_storage().data_ptr()), real(flat, file)))
     return offered
 
 

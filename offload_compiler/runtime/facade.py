@@ -75,7 +75,8 @@ class OffloadRuntime:
         self.model_name = model_name
         self.device = policy.torch_device
         self.streams = DeviceStreams.of(self.device)  # None where the device has no streams
-        self.host = HostStore(specs, self.device, policy.pin_memory, self.streams)
+        self.host = HostStore(specs, self.device, policy.pin_memory, self.streams, policy.disk_dir,
+                              policy.host_budget_bytes)
         self.transfers = TransferEngine(self.host, self.device, self.streams, policy.debug_poison)
         self.lock = threading.RLock()
         self.closed = False
@@ -231,7 +232,7 @@ class OffloadRuntime:
         streamed = sum(g.nbytes for g in self.groups if g.streamed)
         return OffloadStats(t.bytes_transferred, t.ledger.peak, t.fetch_count, t.ledger.live, resident, streamed,
                             self.total_bytes, parked, self.unmanaged_bytes, carried, t.carry_hits,
-                            self.on_demand.bytes)
+                            self.on_demand.bytes, t.disk_bytes_read, self.host.disk_bytes)
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""

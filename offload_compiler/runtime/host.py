@@ -15,8 +15,9 @@ from torch import nn
 
 from ..grouping import GroupSpec
 from ..host_masters import HostMaster, release_masters
-from ..storage import take_filled, viewed
+from ..storage import Filled, take_filled, viewed
 from .device import DeviceStreams, is_accelerator
+from .disk import DiskFile, disk_groups
 from .layout import Bucket, Group, Leaf, dense_layout, layout_groups, weight_layout
 from .pinning import HostRegistrations, PinningUnavailable, can_pin, pin_exact
 
@@ -39,7 +40,8 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
         if bucket.host is not None or (owner is not None and not stage_owners):
             continue
         members = [owner] if owner is not None else [leaf for leaf in group.leaves if leaf.bucket == bi]
-        flat = None if owner is not None else _laid_out(bucket, members)
+        filled = None if owner is not None else _laid_out(bucket, members)
+        flat = filled.flat if filled is not None and filled.file is None else None
         if flat is None:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype)
             with torch.no_grad():
@@ -65,18 +67,49 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
     group.packed = True
 
 
-def _laid_out(bucket: Bucket, members: list[Leaf]) -> torch.Tensor | None:
+def pack_to_disk(group: Group, folder: str) -> None:
+    """`pack_group` for a group on disk: each bucket's bytes go into a file of their own (`disk.DiskFile`) and
+    the leaves become views of its mapping; host memory keeps nothing of them. A leaf that cannot be packed
+    (`Bucket.owner`) keeps its own storage, as in memory."""
+    for bi, bucket in enumerate(group.buckets):
+        if bucket.owner is not None or bucket.host is not None:
+            continue
+        members = [leaf for leaf in group.leaves if leaf.bucket == bi]
+        filled = _laid_out(bucket, members)
+        if filled is not None and filled.file is not None:  # read from a checkpoint into its file already
+            bucket.host, bucket.file = filled.flat, filled.file
+            continue
+        file = DiskFile(folder, bucket.nbytes)
+        itemsize = bucket.dtype.itemsize
+        with torch.no_grad():
+            for leaf in members:
+                value = leaf.value.detach()
+                if tuple(value.stride()) != leaf.stride or value.device.type != "cpu":
+                    value = torch.empty_strided(leaf.shape, leaf.stride, dtype=bucket.dtype).copy_(value)
+                file.write(leaf.offset * itemsize, value)
+        flat = file.mapped(bucket.dtype, bucket.numel)
+        for leaf in members:
+            leaf.assign(leaf.host_view(flat))
+        bucket.host, bucket.file = flat, file
+    for leaf in group.leaves:
+        leaf.host_ptr = leaf.value.data_ptr()
+    group.staged = ()
+    group.packed = True
+
+
+def _laid_out(bucket: Bucket, members: list[Leaf]) -> Filled | None:
     """The buffer the members were read into, each at its place (`checkpoint.load_checkpoint` offers it),
     else None: packing then copies nothing."""
     values = [viewed(leaf.value) for leaf in members]  # a host master's bytes: the tensor they were cut from
-    flat = take_filled(values[0].untyped_storage()) if values and values[0].device.type == "cpu" else None
-    if flat is None or flat.dtype != bucket.dtype or flat.numel() != bucket.numel:
+    filled = take_filled(values[0].untyped_storage()) if values and values[0].device.type == "cpu" else None
+    if filled is None or filled.flat.dtype != bucket.dtype or filled.flat.numel() != bucket.numel:
         return None
+    address = filled.flat.untyped_storage().data_ptr()
     for leaf, value in zip(members, values):
-        if (value.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-                or value.storage_offset() != leaf.offset or tuple(value.stride()) != leaf.stride):
+        if (value.untyped_storage().data_ptr() != address or value.storage_offset() != leaf.offset
+                or tuple(value.stride()) != leaf.stride):
             return None
-    return flat
+    return filled
 
 
 def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
@@ -99,12 +132,15 @@ class HostStore:
     is waited for before the host writes a buffer that a queued copy may still read."""
 
     def __init__(self, specs: list[GroupSpec], device: torch.device, pin_memory: bool,
-                 streams: DeviceStreams | None) -> None:
+                 streams: DeviceStreams | None, disk_dir: str | None = None, host_budget: int | None = None) -> None:
         self.streams = streams
+        self.disk_dir = disk_dir
         self.pinned = pin_memory and can_pin(device)
         if pin_memory and not self.pinned and is_accelerator(device):
             log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", device)
         self.groups = layout_groups(specs)
+        for index in disk_groups(self.groups, host_budget) if host_budget is not None else ():
+            self.groups[index].on_disk = True
         # a copy to an accelerator reads a pinned buffer, never the leaf's own pageable memory (see `Bucket`)
         self.stage_owners = is_accelerator(device)
         self.registrations = HostRegistrations.for_device(device)
@@ -123,7 +159,19 @@ class HostStore:
     # -- packing ------------------------------------------------------------------------------------
     def pack(self, group: Group) -> None:
         with torch.inference_mode(False):  # deferred to the first call, which may run in inference mode
-            pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners)
+            if group.on_disk:
+                pack_to_disk(group, self.disk_dir)
+            else:
+                pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the packed buffers in host memory (the groups not on disk)."""
+        return sum(g.nbytes for g in self.groups if not g.on_disk)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups if g.on_disk)
 
     def _pinning_failed(self, reason: str) -> None:
         """Pinned memory could not be had: keep going with pageable host memory, saying so once."""
@@ -179,6 +227,9 @@ class HostStore:
         for group in self.groups:
             for bucket in group.buckets:
                 bucket.host = None
+                if bucket.file is not None:
+                    bucket.file.close()
+                    bucket.file = None
             group.staged = ()
             group.packed = False
 

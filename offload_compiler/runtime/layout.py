@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 
@@ -77,6 +78,7 @@ class Bucket:
     numel: int
     host: torch.Tensor | None
     owner: Leaf | None = None
+    file: Any = None  # a `disk.DiskFile` where the group is on disk (``host`` then maps it)
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +97,7 @@ class Group:
     slots: list[Slot]
     buckets: list[Bucket]
     exclusive: bool = False
+    on_disk: bool = False  # its host buffers are files (`disk`), read at each fill
     packed: bool = False
     staged: tuple[Leaf, ...] = ()  # the owner leaves copied through a staging buffer (set by packing)
 

@@ -27,6 +27,7 @@ class DeviceSlot:
         self.nbytes = sum(numel * dtype.itemsize for numel, dtype in size_class)
         self.group: int | None = None
         self._buffers: list[torch.Tensor] | None = None
+        self._staging: list[torch.Tensor] | None = None  # host buffers a group on disk is read into (`staging`)
         self.ready = self.free = None  # events, made with the buffers
         self.filled_in_capture = False  # its copy is a node of a captured graph: it exists only after a replay
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
@@ -46,6 +47,15 @@ class DeviceSlot:
                 # reads: the first fill (on the copy stream, which waits on ``free``) must come after that work
                 self.free.record(self.streams.compute())
         return self._buffers
+
+    def staging(self, index: int, pinned: bool) -> torch.Tensor:
+        """A host buffer the size of the slot's buffer ``index``, for a group on disk: the file is read into
+        it, then copied to the device (pinned where the host store pins, so the copy is asynchronous)."""
+        if self._staging is None:
+            with torch.inference_mode(False):
+                self._staging = [torch.empty(numel, dtype=dtype, pin_memory=pinned)
+                                 for numel, dtype in self.size_class]
+        return self._staging[index]
 
     def drop_buffers(self) -> None:
         """Give the slot's device memory back (`OffloadRuntime.release_device_copies`); the next fill

@@ -25,6 +25,8 @@ class OffloadStats:
     carried_bytes: int = 0  # prefetched by the last call for the next one (prefetch_next_call), held now
     carry_hits: int = 0  # calls' first fetches served by the previous call's prefetch
     on_demand_bytes: int = 0  # weights read outside an offloaded graph, each op's copy fetched for it alone
+    disk_bytes_read: int = 0  # of bytes_transferred, read from the disk tier's files (host_budget_gb)
+    disk_bytes: int = 0  # weights whose host copy is on disk, not in host memory
 
     @property
     def peak_device_weight_bytes(self) -> int:
@@ -39,6 +41,8 @@ class OffloadStats:
                    if self.carried_bytes or self.carry_hits else "")
         carried += (f"; {mib(self.on_demand_bytes)} fetched on demand outside the offloaded graphs"
                     if self.on_demand_bytes else "")
+        carried += (f"; {mib(self.disk_bytes)} on disk, {mib(self.disk_bytes_read)} read from it"
+                    if self.disk_bytes else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
                 f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
@@ -56,7 +60,8 @@ def describe(runtime) -> str:
                 f"rank's)" if torch.distributed.is_available() and torch.distributed.is_initialized() else "")]
     for g in runtime.groups:
         lines.append(f"  group {g.index:3d} {g.name:<40s} {mib(g.nbytes)}  "
-                     f"{'streamed' if g.streamed else 'resident'}{_subclass_note(g)}")
+                     f"{'streamed' if g.streamed else 'resident'}{' from disk' if g.on_disk else ''}"
+                     f"{_subclass_note(g)}")
     for i, plan in enumerate(runtime.graph_plans):
         v = plan.verified
         carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
@@ -71,6 +76,10 @@ def describe(runtime) -> str:
     total, unmanaged = runtime.total_bytes, runtime.unmanaged_bytes
     lines.append(f"  total {mib(total + unmanaged)}: {mib(resident)} resident, {mib(total - resident)} streamed"
                  + (f", {mib(unmanaged)} outside the groups (kept on the device)" if unmanaged else ""))
+    if policy.host_budget_gb is not None:
+        host, disk = runtime.host.host_bytes, runtime.host.disk_bytes
+        lines.append(f"  host tier {mib(host)} in host memory (host_budget_gb={policy.host_budget_gb:g}), disk tier "
+                     f"{mib(disk)} in files under {policy.disk_dir}, read at each of their fetches")
     return "\n".join(lines)
 
 

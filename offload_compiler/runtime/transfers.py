@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import OffloadRefusal
 from ..passes.fuse import EVICT as EVICT_STEP
 from ..passes.schedule import ADOPT, CARRY, FETCH
 from .device import DeviceStreams
@@ -63,6 +64,7 @@ class TransferEngine:
         self.used_groups: set[int] = set()  # groups a graph read in the current call (fetched or resident)
         self.ledger = Ledger()
         self.bytes_transferred = 0
+        self.disk_bytes_read = 0  # of it, read from the disk tier's files
         self.fetch_count = 0
         self.carry_hits = 0
         self.pool = DevicePool(device, streams)
@@ -127,8 +129,12 @@ class TransferEngine:
         buffers = slot.buffers
         if slot.ready is not None:
             self._copy_on_stream(slot, group)
-        else:
-            for buf, bucket in zip(buffers, group.buckets):
+            return
+        for buf, bucket in zip(buffers, group.buckets):
+            if bucket.file is not None:  # the disk tier: read straight into the slot, past the page cache
+                bucket.file.read_into(buf)
+                self.disk_bytes_read += bucket.nbytes
+            else:
                 buf.copy_(bucket.source())
 
     def _copy_on_stream(self, slot: DeviceSlot, group: Group) -> None:
@@ -147,10 +153,26 @@ class TransferEngine:
         else:
             stream.wait_event(slot.free)
         slot.filled_in_capture = capturing
+        sources = [self._staged(slot, i, group, capturing) if bucket.file is not None else bucket.source()
+                   for i, bucket in enumerate(group.buckets)]
         with streams.on(stream):
-            for buf, bucket in zip(slot.buffers, group.buckets):
-                buf.copy_(bucket.source(), non_blocking=True)
+            for buf, source in zip(slot.buffers, sources):
+                buf.copy_(source, non_blocking=True)
         slot.ready.record(stream)
+
+    def _staged(self, slot: DeviceSlot, index: int, group: Group, capturing: bool) -> torch.Tensor:
+        """Bucket ``index`` of a group on disk read into the slot's host staging buffer, once the copy that last
+        read that buffer (the slot's previous fill, ordered by ``ready``) has finished."""
+        if capturing:
+            raise OffloadRefusal(f"{group.name} is on disk (host_budget_gb): a captured graph would replay the copy "
+                                 f"from the staging buffer without reading the file again. Capture a model without "
+                                 f"host_budget_gb, or run this one eagerly")
+        bucket = group.buckets[index]
+        slot.ready.synchronize()
+        staging = slot.staging(index, self.host.pinned)
+        bucket.file.read_into(staging)
+        self.disk_bytes_read += bucket.nbytes
+        return staging
 
     def _ready(self, slot: DeviceSlot) -> DeviceSlot:
         if slot.ready is not None:
@@ -378,6 +400,7 @@ class TransferEngine:
 
     def reset_counters(self) -> None:
         self.bytes_transferred = 0
+        self.disk_bytes_read = 0
         self.fetch_count = 0
         self.carry_hits = 0
         self.ledger.reset_peak()

@@ -1,0 +1,105 @@
+"""The disk tier: groups whose host buffers live in files instead of host memory.
+
+A group on disk keeps the host store's layout: each of its buckets is one file under ``disk_dir`` holding the
+bucket's flat bytes, and the bucket's host buffer is a shared mapping of that file (``torch.from_file``), so
+everything that reads or writes a weight's host bytes — ``state_dict``, ``load_state_dict``, a host master's
+on-demand read, `HostStore.unpack` — works as for a group in memory, through the page cache. A fill does not
+read through the mapping: it reads the file (``readinto``) straight into the slot on the CPU, or into a
+staging buffer that is then copied to the device, and drops the pages it read from the page cache
+(``posix_fadvise``), so the reads of a call leave neither resident pages in this process nor a second copy of
+the model in the page cache. Dropping pages after reading, not ``O_DIRECT``: direct I/O needs buffers and
+offsets aligned to the disk's block size, which a slot's buffers are not, and buys nothing once the pages go.
+
+The files are unlinked as soon as they are mapped: the mapping and the open descriptor keep them, and nothing
+is left in ``disk_dir`` when the process ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+
+import torch
+
+from .layout import Group
+
+
+class DiskFile:
+    """One bucket's bytes in a file: an open descriptor (the file is already unlinked) and the mapping."""
+
+    def __init__(self, folder: str, nbytes: int) -> None:
+        fd, path = tempfile.mkstemp(prefix="offload-", suffix=".bin", dir=folder)
+        self.fd = fd
+        self.nbytes = nbytes
+        self.path = path
+        self.unlinked = False
+        os.ftruncate(fd, nbytes)
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        """``tensor``'s bytes (a dense host tensor, in its storage order) at byte ``offset``."""
+        view = _memory(tensor)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def mapped(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The file as a flat tensor over a shared mapping (written through to the file); the name goes."""
+        os.fsync(self.fd)
+        _drop_pages(self.fd, 0, self.nbytes)  # written: not kept in the page cache
+        flat = torch.from_file(self.path, shared=True, size=numel, dtype=dtype) if numel else \
+            torch.empty(0, dtype=dtype)
+        os.unlink(self.path)
+        self.unlinked = True
+        return flat
+
+    def read_into(self, target: torch.Tensor) -> None:
+        """The whole file into ``target`` (a contiguous host tensor of its size), its pages dropped after."""
+        view = _memory(target)
+        done = 0
+        while done < self.nbytes:
+            got = os.preadv(self.fd, [view[done:]], done)
+            if not got:
+                raise OSError(f"offload file {self.path} ended at byte {done} of {self.nbytes}")
+            done += got
+        _drop_pages(self.fd, 0, self.nbytes)
+
+    def close(self) -> None:
+        """Close the file; a file never mapped (loading failed before) is removed too."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if os.path.exists(self.path) and not self.unlinked:
+            os.unlink(self.path)
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a dense host tensor's memory."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _drop_pages(fd: int, start: int, length: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+
+
+def disk_groups(groups: list[Group], budget: int) -> frozenset[int]:
+    """The groups whose host buffers go to disk so that the rest fit ``budget`` bytes of host memory: streamed
+    groups only (a resident group is read once), the largest first (fewest files for the bytes). Raises where
+    even every streamed group on disk leaves too much."""
+    held = sum(g.nbytes for g in groups)
+    chosen = []
+    for group in sorted((g for g in groups if g.streamed), key=lambda g: -g.nbytes):
+        if held <= budget:
+            break
+        chosen.append(group.index)
+        held -= group.nbytes
+    if held > budget:
+        kept = sum(g.nbytes for g in groups if not g.streamed)
+        raise ValueError(f"host_budget_gb={budget / 2**30:.3g} is below what stays in host memory with every streamed "
+                         f"group on disk: {kept / 2**30:.3g} GiB of groups resident on the device (their host copies). "
+                         f"Raise host_budget_gb to at least that, or stream more of the model")
+    return frozenset(chosen)
