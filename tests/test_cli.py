@@ -83,3 +83,17 @@ def test_the_residency_plot_follows_the_verified_plan(tmp_path):
 def test_a_misspelt_model_name_gets_the_closest_one():
     with pytest.raises(SystemExit, match="--model 'lama': did you mean 'llama'"):
         main(["plan", "--model", "lama", "--device", "cpu"])
+
+
+def test_the_readme_counts_the_builtin_models_help_lists():
+    """The README's numbers of built-in ``--model`` names are the ones ``--help`` lists (it said 38 beside 46)."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = " ".join(readme.split())
+    listed = re.search(r"`--help` lists every built-in model: (\d+) names, the (\d+) builders", text)
+    classes = re.search(r"tiny random-weight configs of (\d+) transformers/diffusers classes", text)
+    assert listed and classes, "the README no longer counts the built-in models where this test looks"
+    assert int(listed.group(1)) == len(builtin_model_names())
+    assert int(listed.group(2)) == len(BUILDERS) and int(classes.group(1)) == len(ARCHITECTURES)
+    assert all(f"`{name}`" in text for name in BUILDERS)
