@@ -90,6 +90,16 @@ class OffloadPlan:
                 refine_rates(self)
         self.measured_peak_bytes = runtime.ledger.peak
 
+    def as_component(self, path: str, pipeline: str, policy: OffloadPolicy) -> None:
+        """Name this plan as component ``path`` of ``pipeline`` (offloaded with ``policy``), planned within its
+        share of the pipeline's budget: the budget it prints is that share, not the user's ``device_budget_gb``."""
+        self.model_name = f"{pipeline}.{path}"
+        user = policy.device_budget_gb
+        whole = (f"device_budget_gb={user:g} ({user * GIB / 2**20:.3f} MiB)" if user != "free"
+                 else "device_budget_gb='free'")
+        self.budget_source = (f"{path}'s share of {pipeline}'s {whole}: what the components kept on the device "
+                              f"and the encoders' streaming window leave")
+
     @property
     def prefetch(self) -> int:
         return self.solution.choice.prefetch
@@ -218,7 +228,7 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
 
 def planned_specs(model: nn.Module, policy: OffloadPolicy, plan: OffloadPlan) -> list[GroupSpec]:
     specs = plan_groups(model, policy.replace(blocks_per_group=plan.blocks_per_group))
-    return [dataclasses.replace(s, streamed=i not in plan.resident) for i, s in enumerate(specs)]
+    return [dataclasses.replace(s, streamed=i not in plan.resident and s.nbytes > 0) for i, s in enumerate(specs)]
 
 
 # -- the runtime ------------------------------------------------------------------------------------------
