@@ -23,7 +23,8 @@ from typing import Any, Sequence
 import torch
 
 from ._tree import tensors_of, to_device
-from .api import describe_plan, device_weight_peak, offload_compile, offload_plan, offload_stats, reset_offload_stats
+from .api import (describe_plan, offload_compile, offload_plan, offload_stats, reset_offload_stats,
+                  runtime_plan_dict)
 from .offloaded import state_of
 from .planning.planner import InfeasibleBudgetError
 from .config import load_stage_configs, policy_from_engine_args, warn_user
@@ -209,26 +210,6 @@ def pinning_note(policy: OffloadPolicy, runtime: Any) -> str | None:
                 "only speeds up copies to an accelerator, so there is nothing to pin")
     return ("pin_memory=True but pinned=False: pinned host memory was unavailable (see the warning); weights stay "
             "in pageable host memory")
-
-
-def runtime_plan_dict(runtime: Any) -> dict[str, Any]:
-    """The plan of an offloaded model as data: each group's bytes and residency, each graph's fetches and
-    verified peak, and the device weight peak as a share of the model (what ``describe_plan`` prints)."""
-    policy = runtime.policy
-    groups = [{"index": g.index, "name": g.name, "bytes": g.nbytes, "residency": "streamed" if g.streamed else
-               "resident"} for g in runtime.groups]
-    graphs = [{"nodes": plan.num_nodes, "fetches_per_call": plan.verified.fetches,
-               "predicted_peak_bytes": plan.verified.peak_bytes, "resident_bytes": plan.verified.resident_bytes,
-               "streamed_peak_bytes": plan.verified.streamed_peak_bytes, "carried_bytes": plan.verified.carried_bytes}
-              for plan in runtime.graph_plans]
-    peak = device_weight_peak(runtime)
-    total = runtime.total_bytes + runtime.unmanaged_bytes
-    saving = None if peak is None else {"device_weight_peak_bytes": peak[0], "share_of_model": peak[0] / total if total else None,
-                                        "verified": peak[1]}
-    return {"model": runtime.model_name, "strategy": policy.strategy, "device": str(runtime.device),
-            "prefetch": policy.prefetch, "prefetch_next_call": policy.prefetch_next_call,
-            "compiler": policy.compiler, "pinned": runtime.pinned, "groups": groups, "graphs": graphs,
-            "total_bytes": runtime.total_bytes, "unmanaged_bytes": runtime.unmanaged_bytes, "saving": saving}
 
 
 def _save_plots(directory: str, plan: Any, runtime: Any) -> None:
