@@ -21,6 +21,7 @@ from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from ..policy import OffloadPolicy
 from ..runtime import OffloadRuntime, synchronize, tracing_on
+from ..runtime.stats import readable_bytes
 
 BLOCKS_PER_GROUP_CANDIDATES = (1, 2, 4)
 WARMUP_CALLS = 2  # the first compiles, the second still pays lazy initialisation
@@ -171,7 +172,8 @@ class OffloadPlan:
                  f"  {'group':<36s} {'bytes':>13s}  {'residency':<9s} {'fetches':>7s} {'transfer':>12s} "
                  f"{'compute':>12s}"]
         for row in self.rows():
-            lines.append(f"  {row['group']:<36s} {mib(row['bytes'])}  {row['residency']:<9s} {row['fetches']:7d} "
+            lines.append(f"  {row['group']:<36s} {readable_bytes(row['bytes']):>13s}  {row['residency']:<9s} "
+                         f"{row['fetches']:7d} "
                          f"{ms(row['transfer_s'])}  {ms(row['compute_s'])}")
         lines.append(f"  predicted peak {mib(p.peak_bytes)} = weights {mib(p.weights_peak_bytes)} "
                      f"({mib(p.resident_bytes)} resident) + activations {mib(p.activation_bytes)}")
