@@ -118,3 +118,29 @@ def test_the_residency_of_budget_starts_at_the_resident_groups():
     assert graph.live[0] == 3 * layer and graph.peak == runtime.graph_plans[0].verified.peak_bytes
     assert graph.peak == max(graph.live) > 3 * layer
     assert [box.group for box in graph.boxes] == ["layers.0", "layers.1"]
+
+
+def test_residency_labels_do_not_overlap_and_stay_within_the_axis():
+    """Boxes of one graph overlap where a copy is prefetched beside the one computing: their labels were drawn
+    on top of each other."""
+    from offload_compiler.planning.plots import (CHAR_WIDTH_PX, LABEL_HEIGHT_PX, RESIDENCY_AXIS_PX,
+                                                 RESIDENCY_AXIS_WIDTH_PX)
+    m = offload_compile(Blocks(), OffloadPolicy(strategy="layerwise", device="cpu", prefetch=2))
+    with torch.no_grad():
+        m(torch.randn(2, 16))
+    data = runtime_residency(state_of(m).runtime)
+    (graph,) = data.graphs
+    px_per_node = RESIDENCY_AXIS_WIDTH_PX / data.longest
+    band = max(graph.live) * 1.15 * LABEL_HEIGHT_PX / RESIDENCY_AXIS_PX
+    rects = []
+    for box in graph.boxes:
+        if not box.label_at:
+            continue
+        width = len(box.group) * CHAR_WIDTH_PX + 4
+        left = {"left": box.label_x * px_per_node, "center": box.label_x * px_per_node - width / 2,
+                "right": box.label_x * px_per_node - width}[box.label_ha]
+        assert 0 <= left and left + width <= RESIDENCY_AXIS_WIDTH_PX + 1e-9, box
+        rects.append((left, left + width, box.top_bytes))
+    assert len(rects) >= 2  # some labelled, none on another
+    assert not [(a, b) for i, a in enumerate(rects) for b in rects[i + 1:]
+                if a[0] < b[1] and b[0] < a[1] and abs(a[2] - b[2]) < band]

@@ -238,23 +238,50 @@ def runtime_residency(runtime) -> RuntimeResidency:
     groups = runtime.groups
     kept = runtime.unmanaged_bytes
     longest = max([1] + [plan.num_nodes for plan in runtime.graph_plans])
-    px_per_node = TIMELINE_AXIS_PX / longest
-    taken: dict[int, float] = {}
+    lives = [[kept + b for b in live_bytes(plan.schedule, [g.nbytes for g in groups], plan.verified.resident_bytes,
+                                           plan.num_nodes)] for plan in runtime.graph_plans]
+    highest = max([runtime.ledger.peak + kept] + [max(live) for live in lives])
+    # a label's height in bytes, on an axis RESIDENCY_AXIS_PX high up to 1.15 x highest
+    band = highest * 1.15 * LABEL_HEIGHT_PX / RESIDENCY_AXIS_PX
+    placed: list[tuple[float, float, float]] = []  # (left px, right px, bottom bytes) of each label placed
     graphs = []
-    for index, plan in enumerate(runtime.graph_plans):
+    for index, (plan, live) in enumerate(zip(runtime.graph_plans, lives)):
         schedule = plan.schedule
-        live = [kept + b for b in live_bytes(schedule, [g.nbytes for g in groups], plan.verified.resident_bytes,
-                                             plan.num_nodes)]
         boxes = []
         for inst in schedule.instances:
             start = schedule.instances[schedule.prefetch_at[inst.index]].start
-            label = _short(groups[inst.group].name)
-            at, x, ha = _place_label(start, inst.end, label, px_per_node, longest, taken, index)
-            boxes.append(ResidencyBox(groups[inst.group].name, start, inst.end, groups[inst.group].nbytes,
-                                      max(live[start:inst.end + 1]), at, x, ha))
+            group = groups[inst.group]
+            top = max(live[start:inst.end + 1])
+            at, x, ha = _place_box_label(start, inst.end, _short(group.name), longest, top, band, placed)
+            boxes.append(ResidencyBox(group.name, start, inst.end, group.nbytes, top, at, x, ha))
         graphs.append(GraphResidency(index, plan.num_nodes, live, plan.verified.peak_bytes + kept, boxes))
     resident = sum(g.nbytes for g in groups if not g.streamed)
     return RuntimeResidency(graphs, kept, runtime.ledger.peak + kept, longest, resident)
+
+
+RESIDENCY_AXIS_PX = 270  # height of the residency plot's data area at its size and dpi
+RESIDENCY_AXIS_WIDTH_PX = 700  # its width, less than the timeline's: its legend's lines are longer
+LABEL_HEIGHT_PX = 12
+
+
+def _place_box_label(start: int, end: int, label: str, longest: int, top: int, band: float,
+                     placed: list[tuple[float, float, float]]) -> tuple[str, float, str]:
+    """A box's label sits on its top, centred over it (``"inside"`` when the box is as wide as the label, else
+    ``"above"``), kept within the axis; left out where it would overlap a label already placed (a crowded plot
+    stays readable)."""
+    px_per_node = RESIDENCY_AXIS_WIDTH_PX / longest
+    text_px = len(label) * CHAR_WIDTH_PX + 4
+    middle = (start + end) / 2
+    left, ha, x = middle * px_per_node - text_px / 2, "center", middle
+    if left < 0:
+        left, ha, x = start * px_per_node, "left", float(start)
+    elif left + text_px > RESIDENCY_AXIS_WIDTH_PX:
+        left, ha, x = end * px_per_node - text_px, "right", float(end)
+    if any(left < right and other_left < left + text_px and abs(top - bottom) < band
+           for other_left, right, bottom in placed):
+        return "", 0.0, ""
+    placed.append((left, left + text_px, top))
+    return ("inside" if (end - start) * px_per_node >= text_px else "above"), x, ha
 
 
 def save_runtime_plots(runtime, directory: str) -> list[str]:
