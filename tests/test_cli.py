@@ -109,4 +109,5 @@ def test_the_equality_line_says_how_equality_was_judged():
                                        f"diff {close['max_abs_diff']:.2e}, not bit for bit)")
     assert equivalence_line(_equivalence(out.clone(), out)) == "outputs equal the plain model: True (bit for bit)"
     far = _equivalence(out + 1, out)
-    assert equivalence_line(far) == "outputs equal the plain model: False (max abs diff 1.00e+00 is over the tolerance 1e-04)"
+    assert equivalence_line(far) == ("outputs equal the plain model: False (max abs diff 1.00e+00 is over the "
+                                     "tolerance 1e-04)")

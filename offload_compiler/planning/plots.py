@@ -309,6 +309,7 @@ def save_runtime_plots(runtime, directory: str) -> list[str]:
     ax.axhline(data.measured_peak / MIB, color="black", linestyle="-.", linewidth=1,
                label=f"measured weights peak, ledger{' + kept' if data.kept_bytes else ''} "
                      f"({data.measured_peak / MIB:.3f} MiB)")
+    policy = runtime.policy
     _residency_axes(ax, data.longest, highest, f"{runtime.model_name}: device weights along each graph "
-                                               f"(strategy={runtime.policy.strategy}, prefetch={runtime.policy.prefetch})")
+                                               f"(strategy={policy.strategy}, prefetch={policy.prefetch})")
     return [_legend_outside_and_save(fig, ax, os.path.join(directory, "residency.png"))]
