@@ -621,17 +621,17 @@ def run_family(family: Family, methods: list[str], workloads: list[str], device:
                 r.update(compare(r["_out"], ref))
             r.pop("_out", None)
             if m.runtime_of is not None:
-                from offload_compiler import offload_stats, reset_offload_stats
+                from offload_compiler import offload_stats, plan_summary, reset_offload_stats
                 reset_offload_stats(m.runtime_of)
                 with torch.no_grad():
                     m.forward(*inputs)
                 sync(device)
                 st = offload_stats(m.runtime_of)
-                plans = m.runtime_of._offload_runtime.graph_plans
+                plans = plan_summary(m.runtime_of)["graphs"]
                 r["ours"] = {"bytes_transferred_per_call": st.bytes_transferred, "fetches_per_call": st.fetch_count,
                              "ledger_peak_bytes": st.peak_resident_bytes, "resident_bytes": st.resident_bytes,
                              "streamed_bytes": st.streamed_bytes, "total_bytes": st.total_bytes,
-                             "plan_predicted_peak_bytes": (max(p.verified.streamed_peak_bytes for p in plans)
+                             "plan_predicted_peak_bytes": (max(p["streamed_peak_bytes"] for p in plans)
                                                            + st.resident_bytes) if plans else None,
                              "graphs": len(plans), "carried_bytes": st.carried_bytes,
                              "carry_hits_per_call": st.carry_hits}

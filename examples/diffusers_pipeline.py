@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats
+from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_groups, offload_stats
 from offload_compiler.testing.pipelines import sd3_pipeline
 
 
@@ -32,8 +32,8 @@ def main() -> None:
     stats = offload_stats(pipe)
     print(describe_plan(pipe))
     print(f"SD3 pipeline, 2 steps: {stats}")
-    components = sorted({g.name.split('.', 1)[0] for g in pipe._offload_state.runtime.groups})
-    print(f"streamed block by block: {', '.join(components)}; on the device: vae")
+    streamed = sorted({g.component for g in offload_groups(pipe) if g.streamed})
+    print(f"streamed block by block: {', '.join(streamed)}; on the device: vae")
     print(f"device weight peak {stats.peak_device_weight_bytes / 2**20:.3f} MiB instead of "
           f"{(stats.total_bytes + stats.unmanaged_bytes) / 2**20:.3f} MiB "
           f"({1 - stats.peak_device_weight_bytes / (stats.total_bytes + stats.unmanaged_bytes):.0%} saved)")

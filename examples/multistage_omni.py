@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats
+from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_groups, offload_stats
 from offload_compiler.testing.omni_models import omni_full_with_inputs, omni_thinker, run_stages
 
 
@@ -44,7 +44,7 @@ def main() -> dict:
 
     got = run_stages(offloaded, inputs, call=call)
     stats = offload_stats(offloaded)
-    total = sum(g.nbytes for g in offloaded._offload_runtime.groups)
+    total = sum(g.nbytes for g in offload_groups(offloaded))
     same = all(torch.equal(got[k].cpu(), expected[k].cpu()) for k in expected)
     print(describe_plan(offloaded))
     print(f"peak device weights {mib(stats.peak_resident_bytes)} of {mib(total)} "

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from typing import Any
@@ -23,7 +24,8 @@ from .policy import OffloadPolicy, warn_user
 from .runtime import OffloadRuntime, OffloadStats
 
 __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload_stats", "release_device_copies",
-           "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault", "register_offload_method"]
+           "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault", "register_offload_method",
+           "OffloadGroup", "offload_groups", "plan_summary"]
 
 
 def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoint: str | os.PathLike | None = None,
@@ -175,6 +177,60 @@ def describe_plan(module: Any) -> str:
                 f"at m.plan(*inputs))")
     saving = _saving_line(state.runtime)
     return state.runtime.describe() + (f"\n{saving}" if saving else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadGroup:
+    """One group of weights that move together, as `offload_groups` reports it."""
+    index: int
+    name: str  # the module path it covers (``model.layers.0``; on a pipeline, ``transformer.blocks.0``)
+    nbytes: int  # its weight bytes (a subclass weight's inner tensors: quantized bytes, a rank's shard)
+    streamed: bool  # fetched for each use; False: kept on the device (resident), or empty (no bytes)
+
+    @property
+    def component(self) -> str:
+        """The first part of its name: on a pipeline, the component holding it (``text_encoder``)."""
+        return self.name.split(".", 1)[0]
+
+
+def offload_groups(module: Any) -> list[OffloadGroup]:
+    """The weight groups of an offloaded model or pipeline, in the runtime's order: name, bytes, streamed or
+    resident (what `describe_plan` prints, as data). Before ``strategy="auto"`` has planned (at its first
+    call or ``m.plan(...)``) there are none."""
+    runtime = _runtime(module)
+    if runtime is None:
+        return []
+    return [OffloadGroup(g.index, g.name, g.nbytes, g.streamed) for g in runtime.groups]
+
+
+def plan_summary(module: Any) -> dict[str, Any]:
+    """The plan of an offloaded model as data (what ``offload-compiler plan --json`` prints): each group's name,
+    bytes and residency; each captured graph's fetches per call and verified peak; the device weight peak as a
+    share of the model. Before ``strategy="auto"`` has planned: ``{"model": ..., "planned": False}``."""
+    state = _state(module)
+    if state.runtime is None:
+        return {"model": state.name, "strategy": state.policy.strategy, "planned": False}
+    return runtime_plan_dict(state.runtime)
+
+
+def runtime_plan_dict(runtime: OffloadRuntime) -> dict[str, Any]:
+    """`plan_summary` of ``runtime``."""
+    policy = runtime.policy
+    groups = [{"index": g.index, "name": g.name, "bytes": g.nbytes, "residency": "streamed" if g.streamed else
+               "resident" if g.nbytes else "empty"} for g in runtime.groups]
+    graphs = [{"nodes": plan.num_nodes, "fetches_per_call": plan.verified.fetches,
+               "predicted_peak_bytes": plan.verified.peak_bytes, "resident_bytes": plan.verified.resident_bytes,
+               "streamed_peak_bytes": plan.verified.streamed_peak_bytes, "carried_bytes": plan.verified.carried_bytes}
+              for plan in runtime.graph_plans]
+    peak = device_weight_peak(runtime)
+    total = runtime.total_bytes + runtime.unmanaged_bytes
+    saving = None if peak is None else {"device_weight_peak_bytes": peak[0],
+                                        "share_of_model": peak[0] / total if total else None, "verified": peak[1]}
+    return {"model": runtime.model_name, "strategy": policy.strategy, "device": str(runtime.device),
+            "prefetch": policy.prefetch, "prefetch_next_call": policy.prefetch_next_call,
+            "compiler": policy.compiler, "pinned": runtime.pinned, "planned": True, "groups": groups,
+            "graphs": graphs, "total_bytes": runtime.total_bytes, "unmanaged_bytes": runtime.unmanaged_bytes,
+            "saving": saving}
 
 
 def offload_plan(module: Any) -> OffloadPlan:

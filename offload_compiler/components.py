@@ -88,7 +88,10 @@ def model_level(model: nn.Module) -> tuple[list[str], list[str]]:
     encoders = [e for e in discover(model, ENCODER_MODULES) if not any(e.startswith(d + ".") for d in dits)]
     dits = [d for d in dits if not any(d.startswith(e + ".") for e in encoders)]
     if not dits:
-        warnings.warn("No DiT/transformer modules found, skipping model-level offloading", UserWarning, stacklevel=3)
+        warnings.warn("No DiT/transformer modules found, skipping model-level offloading: strategy='model' "
+                      "alternates a diffusion model's denoiser and its encoders. For a language model (or any "
+                      "model built from a stack of layers) use strategy='layerwise', which streams its layers "
+                      "block by block", UserWarning, stacklevel=3)
         return [], []
     if not encoders:
         warnings.warn("No encoder modules found, skipping model-level offloading", UserWarning, stacklevel=3)

@@ -378,8 +378,22 @@ def _block_groups(blocks: list[tuple[Block, list[Weight]]], per: int) -> list[Gr
 
 def plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] | None = None,
                 loading: bool = False) -> list[GroupSpec]:
-    """The weight groups of ``model`` under ``policy``: blocks in definition order, then the other groups.
-    ``loading``: the weights are still on the meta device, about to be read from a checkpoint."""
+    """The weight groups of ``model`` under ``policy``: blocks in definition order, then the other groups. A
+    group of no bytes (weights with no elements) is never streamed: fetching it would move nothing, yet count
+    as a fetch in the plan, the verifier and the ledger. ``loading``: the weights are still on the meta device,
+    about to be read from a checkpoint."""
+    return [_never_streamed_if_empty(g) for g in _plan_groups(model, policy, weights, loading)]
+
+
+def _never_streamed_if_empty(group: GroupSpec) -> GroupSpec:
+    """``group`` resident when it holds no bytes (the components that alternate keep their own residency)."""
+    if group.streamed and not group.exclusive and group.nbytes == 0:
+        return dataclasses.replace(group, streamed=False)
+    return group
+
+
+def _plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] | None,
+                 loading: bool) -> list[GroupSpec]:
     weights = collect_weights(model) if weights is None else weights
     if not policy.offload_buffers:  # buffers are then left alone, on the compute device
         weights = [w for w in weights if not w.is_buffer]

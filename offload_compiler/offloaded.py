@@ -197,7 +197,7 @@ class OffloadState:
             error.add_note(f"(the budget above is {path}'s share of {self.name}'s device_budget_gb: what the "
                            f"components kept on the device and the encoders' streaming window leave)")
             raise
-        plan.model_name = f"{self.name}.{path}"
+        plan.as_component(path, self.name, self.policy)  # its budget printed as path's share of the user's
         self.plans[path] = plan
         self.plan = self.plan or plan
         self.unplanned.remove(path)

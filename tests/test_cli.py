@@ -83,3 +83,31 @@ def test_the_residency_plot_follows_the_verified_plan(tmp_path):
 def test_a_misspelt_model_name_gets_the_closest_one():
     with pytest.raises(SystemExit, match="--model 'lama': did you mean 'llama'"):
         main(["plan", "--model", "lama", "--device", "cpu"])
+
+
+def test_the_readme_counts_the_builtin_models_help_lists():
+    """The README's numbers of built-in ``--model`` names are the ones ``--help`` lists (it said 38 beside 46)."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = " ".join(readme.split())
+    listed = re.search(r"`--help` lists every built-in model: (\d+) names, the (\d+) builders", text)
+    classes = re.search(r"tiny random-weight configs of (\d+) transformers/diffusers classes", text)
+    assert listed and classes, "the README no longer counts the built-in models where this test looks"
+    assert int(listed.group(1)) == len(builtin_model_names())
+    assert int(listed.group(2)) == len(BUILDERS) and int(classes.group(1)) == len(ARCHITECTURES)
+    assert all(f"`{name}`" in text for name in BUILDERS)
+
+
+def test_the_equality_line_says_how_equality_was_judged():
+    """"True (max abs diff 1.79e-07)" read as a contradiction: the line names the tolerance, or bit for bit."""
+    from offload_compiler.cli import _equivalence, equivalence_line
+    out = torch.ones(3)
+    close = _equivalence(out + 2e-7, out)
+    assert close["equal"] and not close["exact"]
+    assert equivalence_line(close) == ("outputs equal the plain model: True (within the tolerance 1e-04: max abs "
+                                       f"diff {close['max_abs_diff']:.2e}, not bit for bit)")
+    assert equivalence_line(_equivalence(out.clone(), out)) == "outputs equal the plain model: True (bit for bit)"
+    far = _equivalence(out + 1, out)
+    assert equivalence_line(far) == ("outputs equal the plain model: False (max abs diff 1.00e+00 is over the "
+                                     "tolerance 1e-04)")

@@ -133,6 +133,15 @@ def test_model_level_without_dit_or_encoders_warns_and_offloads_nothing(keep, me
     assert offload_stats(m).unmanaged_bytes == sum(t.numel() * t.element_size() for t in held)
 
 
+def test_model_level_on_a_language_model_names_layerwise_as_the_fix():
+    from offload_compiler.testing.models import llama
+    model, _ = llama()
+    with pytest.warns(UserWarning, match="No DiT/transformer modules found") as caught:
+        offload_compile(model, OffloadPolicy(strategy="model", **CPU))
+    (message,) = [str(w.message) for w in caught if "No DiT" in str(w.message)]
+    assert "strategy='layerwise'" in message and "language model" in message
+
+
 # -- real Qwen2.5-Omni architectures (tiny, random weights) ----------------------------------------------
 
 @pytest.mark.slow  # ~12 s; the alternating strategy's fast tests are the small models above

@@ -60,3 +60,48 @@ def test_an_example_runs_as_a_script_in_a_fresh_process(tmp_path):
 def test_example_runs_and_checks_its_outputs(script, args, expected, capsys, monkeypatch, tmp_path):
     stdout, _ = run_example(script, *args, capsys=capsys, monkeypatch=monkeypatch, tmp_path=tmp_path)
     check_example_output(stdout, expected)
+
+
+def test_examples_use_only_public_api():
+    """The examples are what users copy: none reads the offload's private state (``pipe._offload_state``,
+    ``m._offload_runtime``); `offload_groups`, `plan_summary`, `offload_stats` and `describe_plan` give it."""
+    import ast
+    private = []
+    for script in sorted(EXAMPLES.glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_offload"):
+                private.append(f"{script.name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("offload_compiler"):
+                private += [f"{script.name}:{node.lineno} import {a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not private, private
+
+
+@pytest.mark.filterwarnings("ignore::offload_compiler.OffloadSavingWarning")  # one block of three is streamed
+def test_offload_groups_and_plan_summary_report_the_groups_as_data():
+    import torch
+    from offload_compiler import OffloadGroup, OffloadPolicy, describe_plan, offload_compile, offload_groups, \
+        offload_stats, plan_summary, reset_offload_stats
+    from offload_compiler.testing.models import llama
+    model, inputs = llama()
+    m = offload_compile(model, OffloadPolicy(strategy="budget", offload_gb=1e-9, device="cpu"))
+    with torch.no_grad():
+        m(**inputs)  # fills the resident groups
+        reset_offload_stats(m)
+        m(**inputs)
+    groups = offload_groups(m)
+    assert groups and all(isinstance(g, OffloadGroup) for g in groups)
+    assert [g.index for g in groups] == list(range(len(groups)))
+    assert any(g.streamed for g in groups) and any(not g.streamed for g in groups)  # budget: some of each
+    stats = offload_stats(m)
+    assert sum(g.nbytes for g in groups) == stats.total_bytes
+    assert sum(g.nbytes for g in groups if g.streamed) == stats.streamed_bytes
+    assert groups[0].name == "model.layers.0" and groups[0].component == "model"
+    plan = describe_plan(m)
+    assert all(g.name in plan for g in groups)
+    summary = plan_summary(m)
+    assert [(g["name"], g["bytes"], g["residency"] == "streamed") for g in summary["groups"]] == [
+        (g.name, g.nbytes, g.streamed) for g in groups]
+    assert summary["graphs"][0]["fetches_per_call"] == stats.fetch_count
+    auto = offload_compile(llama()[0], OffloadPolicy(strategy="auto", device_budget_gb=1, device="cpu"))
+    assert offload_groups(auto) == [] and plan_summary(auto)["planned"] is False

@@ -103,3 +103,50 @@ def test_budget_is_deterministic():
     policy = OffloadPolicy(strategy="budget", offload_gb=3e-6, **CPU)
     first = [(g.name, g.streamed) for g in plan_groups(model(), policy)]
     assert all(first == [(g.name, g.streamed) for g in plan_groups(model(), policy)] for _ in range(3))
+
+
+class WithAnEmptyPart(nn.Module):
+    """Three blocks, a head, and a part whose only weight has no elements: a group of 0 bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.empty = nn.Module()
+        self.empty.w = nn.Parameter(torch.empty(0))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) + self.empty.w.sum()
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "sequential"])
+def test_a_group_of_no_bytes_is_never_fetched_nor_shown_as_streamed(strategy):
+    """A group of 0 bytes was streamed: a fetch in the plan, the verifier and the ledger that moved nothing."""
+    from offload_compiler import describe_plan, offload_compile, offload_stats, reset_offload_stats
+    from offload_compiler.offloaded import state_of
+    x = torch.randn(2, 8)
+    plain = WithAnEmptyPart()
+    expected = plain(x)
+    (empty,) = [g for g in plan_groups(plain, OffloadPolicy(strategy=strategy, **CPU)) if g.nbytes == 0]
+    assert not empty.streamed
+    m = offload_compile(plain, OffloadPolicy(strategy=strategy, **CPU))
+    with torch.no_grad():
+        m(x)
+        reset_offload_stats(m)
+        assert torch.equal(m(x), expected)
+    runtime = state_of(m).runtime
+    streamed = [g for g in runtime.groups if g.streamed]
+    assert all(g.nbytes > 0 for g in streamed) and len(streamed) == len(runtime.groups) - 1
+    (plan,) = runtime.graph_plans
+    assert offload_stats(m).fetch_count == plan.verified.fetches == len(streamed)
+    (row,) = [line for line in describe_plan(m).splitlines() if " empty " in line]
+    assert "0 B" in row and "streamed" not in row and "never fetched" in row
+
+
+def test_a_small_group_shows_its_bytes_not_zero_mib():
+    from offload_compiler import describe_plan, offload_compile
+    m = offload_compile(WithAnEmptyPart(), OffloadPolicy(strategy="layerwise", **CPU))
+    (row,) = [line for line in describe_plan(m).splitlines() if " head " in line]
+    assert "288 B  streamed" in row and "0.000 MiB" not in row

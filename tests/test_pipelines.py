@@ -91,6 +91,12 @@ def test_auto_plans_each_denoiser_at_its_first_call_within_the_budget():
     assert torch.equal(_run(pipe, kwargs), expected)
     plan = offload_plan(pipe)
     assert plan.model_name == "FluxPipeline.transformer" and plan.budget_bytes < budget_gb * 2**30 - kept
+    # the budget printed is the transformer's share, not the user's device_budget_gb under its own name
+    header = str(plan).splitlines()[0]
+    assert (f"budget {plan.budget_bytes / 2**20:9.3f} MiB" in header
+            and f"(transformer's share of FluxPipeline's device_budget_gb={budget_gb:g} "
+                f"({budget_gb * 1024:.3f} MiB)" in header)
+    assert f"device_budget_gb={plan.budget_bytes / 2**30:g}" not in header
     groups = _groups(pipe)
     resident = [g.name for g in groups.values() if not g.streamed]
     assert resident and all(name.startswith("transformer") for name in resident)  # only the denoiser's plan keeps any

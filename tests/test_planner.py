@@ -317,3 +317,28 @@ def test_refine_rates_leaves_the_measured_overheads_alone(one_thread):
     refine_rates(plan)
     assert plan.rates.compute_scale == pytest.approx(2.0)
     plan.rates.compute_scale = 1.0
+
+
+def test_stalls_are_never_negative_from_rounding():
+    """The replay adds the compute up in pieces, the table in one sum: what is left over is rounding, once
+    printed as "stalls -0.000 ms"."""
+    from offload_compiler.planning.planner import Prediction
+    pieces = 0.1 + 0.2 + 0.3  # 0.6000000000000001
+    p = Prediction(time_s=0.6, compute_s=pieces, transfer_s=0.0, weights_peak_bytes=0, resident_bytes=0,
+                   activation_bytes=0, fetches=0, schedule=None)
+    assert p.stall_s == 0.0 and f"{p.stall_s * 1e3:9.3f}".strip() == "0.000"
+    late = Prediction(time_s=1.0, compute_s=0.25, transfer_s=0.5, weights_peak_bytes=0, resident_bytes=0,
+                      activation_bytes=0, fetches=1, schedule=None, call_s=0.25)
+    assert late.stall_s == 0.5
+
+
+def test_the_auto_plan_shows_a_small_groups_bytes_not_zero_mib():
+    from offload_compiler.planning.auto import OffloadPlan
+    table = CostTable((GroupCost("model.layers.0", 2**20, True), GroupCost("model.rotary_emb", 64)),
+                      (Use(0, 1, 1), Use(1, 2, 2)), (0.001, 0.001, 0.001, 0.001), bandwidth=1e9)
+    solution = solve(table, 2**21)
+    text = str(OffloadPlan("Tiny", "cpu", 2**21, "device_budget_gb=test", table, solution, None, {}))
+    (row,) = [line for line in text.splitlines() if "model.rotary_emb" in line]
+    assert " 64 B  " in row and "0.000 MiB" not in row
+    (row,) = [line for line in text.splitlines() if "model.layers.0" in line]
+    assert "1.000 MiB" in row

@@ -21,6 +21,7 @@ from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from ..policy import OffloadPolicy
 from ..runtime import OffloadRuntime, synchronize, tracing_on
+from ..runtime.stats import readable_bytes
 
 BLOCKS_PER_GROUP_CANDIDATES = (1, 2, 4)
 WARMUP_CALLS = 2  # the first compiles, the second still pays lazy initialisation
@@ -89,6 +90,16 @@ class OffloadPlan:
             if self.calls == WARMUP_CALLS + MEASURED_CALLS:
                 refine_rates(self)
         self.measured_peak_bytes = runtime.ledger.peak
+
+    def as_component(self, path: str, pipeline: str, policy: OffloadPolicy) -> None:
+        """Name this plan as component ``path`` of ``pipeline`` (offloaded with ``policy``), planned within its
+        share of the pipeline's budget: the budget it prints is that share, not the user's ``device_budget_gb``."""
+        self.model_name = f"{pipeline}.{path}"
+        user = policy.device_budget_gb
+        whole = (f"device_budget_gb={user:g} ({user * GIB / 2**20:.3f} MiB)" if user != "free"
+                 else "device_budget_gb='free'")
+        self.budget_source = (f"{path}'s share of {pipeline}'s {whole}: what the components kept on the device "
+                              f"and the encoders' streaming window leave")
 
     @property
     def prefetch(self) -> int:
@@ -161,7 +172,8 @@ class OffloadPlan:
                  f"  {'group':<36s} {'bytes':>13s}  {'residency':<9s} {'fetches':>7s} {'transfer':>12s} "
                  f"{'compute':>12s}"]
         for row in self.rows():
-            lines.append(f"  {row['group']:<36s} {mib(row['bytes'])}  {row['residency']:<9s} {row['fetches']:7d} "
+            lines.append(f"  {row['group']:<36s} {readable_bytes(row['bytes']):>13s}  {row['residency']:<9s} "
+                         f"{row['fetches']:7d} "
                          f"{ms(row['transfer_s'])}  {ms(row['compute_s'])}")
         lines.append(f"  predicted peak {mib(p.peak_bytes)} = weights {mib(p.weights_peak_bytes)} "
                      f"({mib(p.resident_bytes)} resident) + activations {mib(p.activation_bytes)}")
@@ -218,7 +230,7 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
 
 def planned_specs(model: nn.Module, policy: OffloadPolicy, plan: OffloadPlan) -> list[GroupSpec]:
     specs = plan_groups(model, policy.replace(blocks_per_group=plan.blocks_per_group))
-    return [dataclasses.replace(s, streamed=i not in plan.resident) for i, s in enumerate(specs)]
+    return [dataclasses.replace(s, streamed=i not in plan.resident and s.nbytes > 0) for i, s in enumerate(specs)]
 
 
 # -- the runtime ------------------------------------------------------------------------------------------

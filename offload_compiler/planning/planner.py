@@ -128,7 +128,9 @@ class Prediction:
 
     @property
     def stall_s(self) -> float:
-        return self.time_s - self.compute_s - self.call_s
+        """Time waiting for copies: never negative (the replay adds the compute up in pieces; what it left
+        over was rounding, printed as ``stalls -0.000 ms``)."""
+        return max(self.time_s - self.compute_s - self.call_s, 0.0)
 
 
 def schedule_for(table: CostTable, choice: Choice) -> Schedule:

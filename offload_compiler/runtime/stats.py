@@ -59,9 +59,9 @@ def describe(runtime) -> str:
              + (f" rank={torch.distributed.get_rank()}/{torch.distributed.get_world_size()} (bytes are this "
                 f"rank's)" if torch.distributed.is_available() and torch.distributed.is_initialized() else "")]
     for g in runtime.groups:
-        lines.append(f"  group {g.index:3d} {g.name:<40s} {mib(g.nbytes)}  "
-                     f"{'streamed' if g.streamed else 'resident'}{' from disk' if g.on_disk else ''}"
-                     f"{_subclass_note(g)}")
+        residency = "streamed" if g.streamed else "resident" if g.nbytes else "empty (no bytes, never fetched)"
+        lines.append(f"  group {g.index:3d} {g.name:<40s} {readable_bytes(g.nbytes):>13s}  "
+                     f"{residency}{' from disk' if g.on_disk else ''}{_subclass_note(g)}")
     for i, plan in enumerate(runtime.graph_plans):
         v = plan.verified
         carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
@@ -71,7 +71,7 @@ def describe(runtime) -> str:
     pool = runtime.pool
     if pool.slots:
         lines.append(f"  device pool {mib(pool.nbytes)}: "
-                     + ", ".join(f"{len(slots)} x {mib(slots[0].nbytes).strip()}" for slots in pool.slots.values()))
+                     + ", ".join(f"{len(slots)} x {readable_bytes(slots[0].nbytes)}" for slots in pool.slots.values()))
     resident = sum(g.nbytes for g in runtime.groups if not g.streamed)
     total, unmanaged = runtime.total_bytes, runtime.unmanaged_bytes
     lines.append(f"  total {mib(total + unmanaged)}: {mib(resident)} resident, {mib(total - resident)} streamed"
@@ -81,6 +81,15 @@ def describe(runtime) -> str:
         lines.append(f"  host tier {mib(host)} in host memory (host_budget_gb={policy.host_budget_gb:g}), disk tier "
                      f"{mib(disk)} in files under {policy.disk_dir}, read at each of their fetches")
     return "\n".join(lines)
+
+
+def readable_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest unit that keeps it at 1 or more (``64 B``, ``1.500 KiB``, ``142.000 MiB``): a
+    small group reads as its bytes, not as ``0.000 MiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3f} {unit}"
+    return f"{nbytes} B"
 
 
 def _subclass_note(group: Group) -> str:
