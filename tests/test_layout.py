@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("top", ("offload_compiler.cli", "offload_compiler.__main__", "offload_compiler.testing")),
 ]
 # the runtime package's modules, lowest first: each imports only modules before it (its __init__ re-exports them)
-RUNTIME_ORDER = ["device", "layout", "disk", "slots", "pinning", "host", "stats", "transfers", "facade"]
+RUNTIME_ORDER = ["device", "copier", "layout", "disk", "slots", "pinning", "host", "stats", "transfers", "facade"]
 # modules that import nothing of the package
 LEAVES = {"offload_compiler.policy", "offload_compiler.errors"}
 # the only modules allowed to import offload_compiler.testing (demo models, hypothesis helpers)

@@ -38,6 +38,17 @@ def _finalize(copy_streams: list, registrations: HostRegistrations | None) -> No
         registrations.unregister_all()
 
 
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference (no cycle keeps its object alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+    return call
+
+
 def _unmanaged(model: nn.Module, specs: list[GroupSpec]) -> tuple[set[int], int]:
     """The model's tensors in no group (they live on the compute device): their ids and bytes."""
     managed = {id(w.tensor) for spec in specs for w in spec.weights}
@@ -78,6 +89,7 @@ class OffloadRuntime:
         self.host = HostStore(specs, self.device, policy.pin_memory, self.streams, policy.disk_dir,
                               policy.host_budget_bytes)
         self.transfers = TransferEngine(self.host, self.device, self.streams, policy.debug_poison)
+        self.host.wait_for_copies = _weakly(self.wait_for_copies)  # the fill worker's copies too
         self.lock = threading.RLock()
         self.closed = False
         weakref.finalize(self, _finalize, [] if self.streams is None else self.streams.copy_streams,
@@ -200,6 +212,7 @@ class OffloadRuntime:
         (illegal there; a capture's copies read host memory at replay, not now)."""
         if self.streams is not None:
             self.streams.wait_for_copies()
+        self.transfers.wait_for_fills()
 
     def release_carried(self) -> int:
         return self.transfers.release_carried()

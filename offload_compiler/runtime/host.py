@@ -24,6 +24,10 @@ from .pinning import HostRegistrations, PinningUnavailable, can_pin, pin_exact
 log = logging.getLogger("offload_compiler")
 
 
+def _nothing() -> None:
+    pass
+
+
 def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None,
                registrations: HostRegistrations | None = None, stage_owners: bool = False) -> None:
     """Copy a group's leaves into one flat host buffer per dtype (pinned: the buffer, never a subclass's own
@@ -135,6 +139,8 @@ class HostStore:
                  streams: DeviceStreams | None, disk_dir: str | None = None, host_budget: int | None = None) -> None:
         self.streams = streams
         self.disk_dir = disk_dir
+        # waits for every copy that may read the host buffers (the runtime's: streams and the fill worker)
+        self.wait_for_copies: Callable[[], None] = streams.wait_for_copies if streams is not None else _nothing
         self.pinned = pin_memory and can_pin(device)
         if pin_memory and not self.pinned and is_accelerator(device):
             log.debug("pin_memory ignored: no pinned host memory for %s; host buffers stay pageable", device)
@@ -194,8 +200,7 @@ class HostStore:
         bucket = group.buckets[leaf.bucket]
         if bucket.host is None:  # an owner bucket without staging (the CPU) is read from the leaf itself
             return
-        if self.streams is not None:  # a queued copy (of this call, or carried from the last) may still read it
-            self.streams.wait_for_copies()
+        self.wait_for_copies()  # a queued copy (of this call, or carried from the last) may still read it
         view = leaf.host_view(bucket.host)
         with torch.no_grad():
             view.copy_(leaf.value.detach())

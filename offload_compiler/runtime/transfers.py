@@ -7,6 +7,7 @@ held, and injects faults for tests.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 from typing import NamedTuple
@@ -16,6 +17,7 @@ import torch
 from ..errors import OffloadRefusal
 from ..passes.fuse import EVICT as EVICT_STEP
 from ..passes.schedule import ADOPT, CARRY, FETCH
+from .copier import CopyWorker
 from .device import DeviceStreams
 from .host import HostStore, stamp
 from .layout import Group
@@ -48,6 +50,16 @@ class Carried:
     slot: DeviceSlot
 
 
+def _copy_group(buffers: list[torch.Tensor], group: Group) -> None:
+    """A group's host buffers into a slot's buffers on the CPU: a group on disk read from its files, past the
+    page cache."""
+    for buf, bucket in zip(buffers, group.buckets):
+        if bucket.file is not None:
+            bucket.file.read_into(buf)
+        else:
+            buf.copy_(bucket.source())
+
+
 class TransferEngine:
     """The device copies of one runtime's groups and the transfers between host and device. Every copy lands
     in a pool slot planned for its fetch key (`plan_slots`); ``debug_poison`` fills evicted slots with NaN."""
@@ -68,6 +80,7 @@ class TransferEngine:
         self.fetch_count = 0
         self.carry_hits = 0
         self.pool = DevicePool(device, streams)
+        self.copier = CopyWorker() if streams is None else None  # disk reads beside compute (see `copier`)
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
         self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
         self._live: dict[int, DeviceSlot] = {}  # group -> slot waited for, not yet evicted (this call)
@@ -130,12 +143,11 @@ class TransferEngine:
         if slot.ready is not None:
             self._copy_on_stream(slot, group)
             return
-        for buf, bucket in zip(buffers, group.buckets):
-            if bucket.file is not None:  # the disk tier: read straight into the slot, past the page cache
-                bucket.file.read_into(buf)
-                self.disk_bytes_read += bucket.nbytes
-            else:
-                buf.copy_(bucket.source())
+        self.disk_bytes_read += sum(b.nbytes for b in group.buckets if b.file is not None)
+        if self.copier is not None and group.on_disk:  # a read waits on the disk: beside compute (`copier`)
+            slot.pending = self.copier.submit(lambda: _copy_group(buffers, group))
+        else:
+            _copy_group(buffers, group)
 
     def _copy_on_stream(self, slot: DeviceSlot, group: Group) -> None:
         """The copy stream refills a slot only after the compute that read its previous contents (the
@@ -177,12 +189,23 @@ class TransferEngine:
     def _ready(self, slot: DeviceSlot) -> DeviceSlot:
         if slot.ready is not None:
             self.streams.compute().wait_event(slot.ready)
+        elif slot.pending is not None:  # a fill on the worker thread: done, or its error raised here
+            future, slot.pending = slot.pending, None
+            future.result()
         return slot
+
+    def wait_for_fills(self) -> None:
+        """Every fill issued on the worker thread has finished (before the host writes a buffer they read)."""
+        if self.copier is not None:
+            self.copier.wait_all()
 
     def _release(self, slot: DeviceSlot) -> None:
         """The slot's copy is gone (evicted, dropped): free for the next fill once its readers finished."""
         if slot.group is None:
             return
+        if slot.pending is not None:  # a fill still in flight: done before the slot is refilled or dropped
+            future, slot.pending = slot.pending, None
+            concurrent.futures.wait([future])  # its error goes with the copy
         slot.group = None
         self.ledger.release(slot.nbytes)
         if slot.free is not None:
@@ -288,7 +311,8 @@ class TransferEngine:
         group = self.actual_group(group)
         self.used_groups.add(group)
         slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], self.groups[group])
-        self._live[group] = self._ready(slot)
+        self._live[group] = slot  # before its fill is waited for: a failed fill's slot is released with the call's
+        self._ready(slot)
         return slot
 
     def evict(self, group: int, poison: bool, park: bool = False) -> None:
@@ -329,7 +353,14 @@ class TransferEngine:
             slot = held[0] if held is not None else DeviceSlot(size_class(g), self.device, -1, self.streams)
             if held is not None:
                 self._release(slot)
-            self._resident[group] = (self._ready(self._fill(slot, g)), now)
+            self._fill(slot, g)
+            try:
+                self._ready(slot)
+            except BaseException:  # a failed fill is no copy: the next call fills the slot again
+                self._resident.pop(group, None)
+                self._release(slot)
+                raise
+            self._resident[group] = (slot, now)
         return self._resident[group][0]
 
     # -- between calls --------------------------------------------------------------------------------
@@ -347,6 +378,7 @@ class TransferEngine:
         copies carried for a next call are released, after their copies finished."""
         if self.streams is not None:  # (a failure inside a capture keeps its own error: no synchronize there)
             self.streams.wait_for_copies()
+        self.wait_for_fills()
         for slot in [*self._pending.values(), *self._live.values()]:
             self._release(slot)
         self._pending.clear()

@@ -1,0 +1,159 @@
+"""The disk tier on the CPU: a Llama (random weights, float32) whose weights do not fit the host budget, one
+forward of ``--tokens`` tokens per call, one torch thread, against
+
+  plain                 the model in memory (compute only)
+  ours                  offload_compile(layerwise, host_budget_gb=--budget x the model, disk_dir=...)
+  accelerate-disk       accelerate.disk_offload(model, dir, execution_device="cpu")
+  diffusers-disk        diffusers apply_group_offloading(block_level, 1 block per group, offload_to_disk_path=dir)
+
+and the limit max(compute, bytes read per call / the disk's read bandwidth): the bandwidth is measured on a
+file of the size ours reads per call, its pages dropped first. Before every call of every method, the pages of
+the files it reads are dropped from the page cache (``posix_fadvise``; ours drops its own after each read), so
+each call reads the disk, as a model larger than memory would. The methods are interleaved, call by call, in
+this one process; medians over the rounds.
+
+    PYTHONPATH=. python benchmarks/disk_tier.py [--hidden 1024] [--layers 12] [--tokens 4] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment, exact_command, write_json  # noqa: E402
+
+
+def _model(hidden: int, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def _drop_pages(folder: str) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _read_bandwidth(nbytes: int, folder: str) -> float:
+    """Bytes per second reading a file of ``nbytes`` written here, its pages dropped first (median of 3)."""
+    path = os.path.join(folder, "bandwidth.bin")
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(max(nbytes >> 20, 1)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    size = os.path.getsize(path)
+    buffer = bytearray(1 << 24)
+    times = []
+    for _ in range(3):
+        _drop_pages(folder)
+        start = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+        times.append(time.perf_counter() - start)
+    os.unlink(path)
+    return size / statistics.median(times)
+
+
+def _methods(model, folder: str, budget: float) -> dict[str, tuple[object, str | None]]:
+    """name -> (the callable model, the folder whose pages to drop before a call)."""
+    from offload_compiler import OffloadPolicy, offload_compile
+    methods: dict[str, tuple[object, str | None]] = {"plain": (model, None)}
+    ours_dir = os.path.join(folder, "ours")
+    os.makedirs(ours_dir)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", host_budget_gb=budget * model_bytes / 2**30,
+                           disk_dir=ours_dir)
+    methods["ours"] = (offload_compile(copy.deepcopy(model), policy), None)
+    try:
+        from accelerate import disk_offload
+        acc_dir = os.path.join(folder, "accelerate")
+        methods["accelerate-disk"] = (disk_offload(copy.deepcopy(model), acc_dir, execution_device="cpu"), acc_dir)
+    except ImportError:
+        pass
+    try:
+        from diffusers.hooks import apply_group_offloading
+        diff_dir = os.path.join(folder, "diffusers")
+        os.makedirs(diff_dir)
+        offloaded = copy.deepcopy(model)
+        apply_group_offloading(offloaded, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, offload_to_disk_path=diff_dir)
+        methods["diffusers-disk"] = (offloaded, diff_dir)
+    except ImportError:
+        pass
+    return methods
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=0.4, help="host budget as a share of the model")
+    parser.add_argument("--out", type=Path, default=RESULTS / "disk_tier.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from offload_compiler import offload_stats, reset_offload_stats
+    model = _model(args.hidden, args.layers)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(0, 32000, (1, args.tokens))
+    with tempfile.TemporaryDirectory(dir=os.environ.get("DISK_TIER_DIR")) as folder:
+        methods = _methods(model, folder, args.budget)
+        call: Callable[[object], torch.Tensor] = lambda m: m(ids, use_cache=False).logits  # noqa: E731
+        with torch.no_grad():
+            expected = call(model)
+            outputs = {name: torch.equal(call(m), expected) for name, (m, _) in methods.items()}  # warm, compiled
+            ours = methods["ours"][0]
+            reset_offload_stats(ours)
+            call(ours)
+            stats = offload_stats(ours)
+            times: dict[str, list[float]] = {name: [] for name in methods}
+            for _ in range(args.rounds):
+                for name, (m, pages) in methods.items():
+                    if pages is not None:
+                        _drop_pages(pages)
+                    start = time.perf_counter()
+                    call(m)
+                    times[name].append(time.perf_counter() - start)
+        bandwidth = _read_bandwidth(stats.disk_bytes_read, folder)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    limit = max(median["plain"], stats.disk_bytes_read / bandwidth)
+    result = {
+        "command": exact_command(), "environment": environment(),
+        "model": f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, float32, {args.tokens} tokens per call",
+        "model_bytes": model_bytes, "host_budget_bytes": int(args.budget * model_bytes),
+        "disk_bytes": stats.disk_bytes, "disk_bytes_read_per_call": stats.disk_bytes_read,
+        "read_bandwidth_bytes_per_s": bandwidth, "limit_s": limit, "median_s": median,
+        "over_limit": {name: t / limit for name, t in median.items()},
+        "ours_speedup": {name: t / median["ours"] for name, t in median.items() if name not in ("ours", "plain")},
+        "outputs_equal_plain": outputs, "rounds": args.rounds, "times_s": times,
+        "targets": {"ours within 1.2x the limit": median["ours"] <= 1.2 * limit,
+                    **({"ours >= 2.5x faster than accelerate disk_offload":
+                        median["accelerate-disk"] >= 2.5 * median["ours"]} if "accelerate-disk" in median else {}),
+                    **({"ours faster than diffusers disk offload": median["diffusers-disk"] > median["ours"]}
+                       if "diffusers-disk" in median else {})},
+    }
+    write_json(args.out, result)
+    print({k: result[k] for k in ("median_s", "limit_s", "over_limit", "ours_speedup", "outputs_equal_plain",
+                                  "targets")})
+
+
+if __name__ == "__main__":
+    main()
