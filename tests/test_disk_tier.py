@@ -243,3 +243,26 @@ def test_host_memory_stays_within_the_budget_while_loading_and_running(tmp_path)
     assert runs["disk"][1] == 2 * on_disk and runs["memory"][1] == 0  # read at each of the two calls
     saved = runs["memory"][0] - runs["disk"][0]
     assert abs(saved - on_disk) <= 0.1 * model_bytes, (runs, on_disk)
+
+
+def test_a_disk_that_fills_up_while_packing_leaves_the_model_running_unchanged(tmp_path, monkeypatch):
+    from offload_compiler.runtime import disk
+    model = _model(6)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    real, writes = disk.DiskFile.write, []
+
+    def full(self, offset, tensor):
+        writes.append(offset)
+        if len(writes) == 5:
+            raise OSError(28, "No space left on device")
+        real(self, offset, tensor)
+    monkeypatch.setattr(disk.DiskFile, "write", full)
+    with pytest.raises(OSError, match="No space"):
+        offload_compile(model, _policy(tmp_path))
+    assert state_of(model) is None and os.listdir(tmp_path) == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)

@@ -64,13 +64,18 @@ class DiskFile:
             done += got
         _drop_pages(self.fd, 0, self.nbytes)
 
+    def __del__(self) -> None:  # a runtime collected without unpacking: its descriptors go with it
+        if hasattr(self, "unlinked"):  # (not when the file could not be made)
+            self.close()
+
     def close(self) -> None:
         """Close the file; a file never mapped (loading failed before) is removed too."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if os.path.exists(self.path) and not self.unlinked:
+        if not self.unlinked and os.path.exists(self.path):
             os.unlink(self.path)
+            self.unlinked = True
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:
