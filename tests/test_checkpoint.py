@@ -5,9 +5,6 @@ checkpoint is refused naming the tensor, with the model left as it was."""
 import json
 import os
 import platform
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from torch import nn
 from offload_compiler import (CheckpointError, OffloadPolicy, empty_weights, offload_compile, offload_stats,
                               remove_offload)
 from offload_compiler.offloaded import state_of
+from fresh_process import run, stack_script
 
 
 class Block(nn.Module):
@@ -247,45 +245,15 @@ def test_auto_and_simulated_device_load_too(tmp_path, monkeypatch):
         assert torch.equal(model(x), ref(x))
 
 
-_LOAD = textwrap.dedent("""
-    import sys, torch
-    from torch import nn
-    from offload_compiler import OffloadPolicy, empty_weights, offload_compile
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(40))
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
-    if sys.argv[1] == "save":
-        from safetensors.torch import save_file
-        save_file(Stack().state_dict(), sys.argv[2])
-        sys.exit()
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-    with empty_weights():
-        model = Stack()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) restarts from the resident size now
-    before = status("VmRSS:")
-    offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=sys.argv[2])
-    print(before, status("VmHWM:"))
-""")
-
-
 @pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/status")
 def test_peak_host_memory_while_loading_is_the_model_and_no_more(tmp_path):
     """The peak resident size of a fresh process (Linux): loading a 168 MB checkpoint grows the peak by the model's bytes plus at
     most 10% (no second copy: not read into tensors of their own and then packed)."""
-    script = tmp_path / "load.py"
-    script.write_text(_LOAD)
-    path = str(tmp_path / "stack.safetensors")
-    subprocess.run([sys.executable, str(script), "save", path], check=True)
-    out = subprocess.run([sys.executable, str(script), "load", path], check=True, capture_output=True, text=True)
-    before, after = map(int, out.stdout.split())
+    script, path = stack_script(tmp_path, """
+        offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=sys.argv[2])
+        print(before, status("VmHWM:"))
+    """)
+    before, after = run(script, "load", path)
     model_bytes = os.path.getsize(path)
     assert after - before <= 1.1 * model_bytes, (after - before, model_bytes)
     assert after - before >= 0.9 * model_bytes  # the weights are really in memory (not left on meta)

@@ -5,9 +5,6 @@ the traffic, the outputs and every way of changing a weight stay as for groups i
 import copy
 import os
 import platform
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ from torch import nn
 from offload_compiler import (OffloadPolicy, OffloadRefusal, describe_plan, empty_weights, inject_fault,
                               offload_compile, offload_stats, remove_offload, reset_offload_stats)
 from offload_compiler.offloaded import state_of
+from fresh_process import BLOCK_BYTES, run, stack_script
 
 
 class Stack(nn.Module):
@@ -187,59 +185,25 @@ def test_loading_a_checkpoint_writes_the_disk_groups_to_their_files_directly(tmp
     assert offload_stats(m).disk_bytes_read == 4 * BLOCK
 
 
-_BIG = textwrap.dedent("""
-    import sys, torch
-    from torch import nn
-    from offload_compiler import OffloadPolicy, empty_weights, offload_compile, offload_stats
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(40))
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
-    if sys.argv[1] == "save":
-        from safetensors.torch import save_file
-        save_file(Stack().state_dict(), sys.argv[2])
-        sys.exit()
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-    with empty_weights():
-        model = Stack()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS:")
-    budget = 10 * (1024 * 1024 + 1024) * 4
-    disk = dict(host_budget_gb=budget / 2**30, disk_dir=sys.argv[3]) if sys.argv[1] == "disk" else {}
-    m = offload_compile(model, OffloadPolicy(strategy="layerwise", **disk), checkpoint=sys.argv[2])
-    with torch.no_grad():
-        m(torch.randn(1, 1024))
-        m(torch.randn(1, 1024))
-    print(status("VmHWM:") - before, offload_stats(m).disk_bytes_read)
-""")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/status")
 def test_host_memory_stays_within_the_budget_while_loading_and_running(tmp_path):
     """A 168 MB model loaded from a checkpoint and called twice, in fresh processes, with a 42 MB host budget
     and without: the peak resident size with the disk tier is lower by the bytes on disk (30 of 40 blocks),
     within 10% of the model (what else a process grows by, capture included, is the same in both)."""
-    script = tmp_path / "big.py"
-    script.write_text(_BIG)
-    path = str(tmp_path / "stack.safetensors")
     folder = tmp_path / "disk"
     folder.mkdir()
-    subprocess.run([sys.executable, str(script), "save", path], check=True)
-    runs = {}
-    for how in ("memory", "disk"):
-        out = subprocess.run([sys.executable, str(script), how, path, str(folder)], check=True, capture_output=True,
-                             text=True)
-        runs[how] = tuple(map(int, out.stdout.split()))
+    script, path = stack_script(tmp_path, f"""
+        disk = dict(host_budget_gb={10 * BLOCK_BYTES} / 2**30, disk_dir=sys.argv[3]) if sys.argv[1] == "disk" else {{}}
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", **disk), checkpoint=sys.argv[2])
+        with torch.no_grad():
+            m(torch.randn(1, 1024))
+            m(torch.randn(1, 1024))
+        print(status("VmHWM:") - before, offload_stats(m).disk_bytes_read)
+    """)
+    runs = {how: tuple(run(script, how, path, str(folder))) for how in ("memory", "disk")}
     model_bytes = os.path.getsize(path)
-    on_disk = 30 * (1024 * 1024 + 1024) * 4
+    on_disk = 30 * BLOCK_BYTES
     assert runs["disk"][1] == 2 * on_disk and runs["memory"][1] == 0  # read at each of the two calls
     saved = runs["memory"][0] - runs["disk"][0]
     assert abs(saved - on_disk) <= 0.1 * model_bytes, (runs, on_disk)
