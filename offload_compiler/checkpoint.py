@@ -33,9 +33,9 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .grouping import GroupSpec, plan_groups
 from .host_masters import replace_tensors
-from .runtime.disk import DiskFile, disk_groups
-from .runtime.layout import layout_group
-from .storage import offer_filled
+from .runtime.disk import CheckpointExtents, DiskFile, disk_groups
+from .runtime.layout import contiguous_stride, layout_group
+from .storage import Filled, offer_filled
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -256,9 +256,14 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
     tensors = {id(t): t for _, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     groups = [layout_group(index, spec) for index, spec in enumerate(specs)]
     on_disk = disk_groups(groups, host_budget) if host_budget is not None else frozenset()
+    mapped = _MappedFiles()
+    direct = {group.index: _extents(group, sources, mapped) for group in groups if group.index in on_disk}
+    direct = {index: views for index, views in direct.items() if views is not None}
     buffers: dict[tuple[int, int], torch.Tensor | DiskFile] = {}  # (group, bucket) -> its flat, or its file
     places: dict[int, tuple[Any, tuple[int, int]]] = {}  # weight id -> (its leaf, (group, bucket))
     for group in groups:
+        if group.index in direct:  # left where the checkpoint has it: nothing read, nothing written
+            continue
         for bi, bucket in enumerate(group.buckets):
             buffers[group.index, bi] = DiskFile(disk_dir, bucket.nbytes) if group.index in on_disk else \
                 torch.empty(bucket.numel, dtype=bucket.dtype)
@@ -266,8 +271,9 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
             if type(leaf.tensor) in (torch.Tensor, nn.Parameter):  # a subclass is packed from itself, as always
                 places[id(leaf.tensor)] = (leaf, (group.index, leaf.bucket))
                 tensors.setdefault(id(leaf.tensor), leaf.tensor)
+    in_place = {ident for views, _ in direct.values() for ident in views}
     own = {ident: torch.empty(entry.shape, dtype=tensors[ident].dtype) for ident, entry in sources.items()
-           if ident not in places}
+           if ident not in places and ident not in in_place}
     reader = _Reader(sum(e.nbytes for e in sources.values()), type(model).__name__)
     largest = max((leaf.numel * leaf.value.element_size() for leaf, key in places.values() if key[0] in on_disk),
                   default=0)
@@ -288,12 +294,52 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
         reader.close()
     for key, flat in flats.items():
         buffer = buffers[key]
-        offer_filled(flat, buffer if isinstance(buffer, DiskFile) else None)
+        offer_filled(flat.data_ptr(), Filled(flat, buffer if isinstance(buffer, DiskFile) else None))
     targets = dict(own)
     targets.update((ident, leaf.host_view(flats[key])) for ident, (leaf, key) in places.items())
+    for views, extents in direct.values():
+        targets.update(views)
+        for bucket in extents:
+            offer_filled(bucket.addresses[0], Filled(None, bucket))
     new = {ident: nn.Parameter(target, requires_grad=tensors[ident].requires_grad)
            if isinstance(tensors[ident], nn.Parameter) else target for ident, target in targets.items()}
     replace_tensors(model, new)
+
+
+class _MappedFiles(dict):
+    """Each checkpoint file mapped once, privately (a write stays in this process's memory, never in the file)."""
+
+    def __missing__(self, path: str) -> torch.Tensor:
+        self[path] = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+        return self[path]
+
+
+def _extents(group: Any, sources: dict[int, Entry], mapped: _MappedFiles
+             ) -> tuple[dict[int, torch.Tensor], list[CheckpointExtents]] | None:
+    """A group on disk left in the checkpoint's own file: each weight a view of its bytes in a private mapping
+    of the file, each bucket the extents a fill reads. None where a weight is not there as the group lays it
+    out (absent, another dtype, a strided layout, an offset its dtype cannot start at): the group is then
+    written to a file of its own."""
+    views: dict[int, torch.Tensor] = {}
+    extents = []
+    for bi, bucket in enumerate(group.buckets):
+        members = [leaf for leaf in group.leaves if leaf.bucket == bi]
+        parts, addresses = [], []
+        for leaf in members:
+            entry = sources.get(id(leaf.tensor))
+            itemsize = bucket.dtype.itemsize
+            if (entry is None or type(leaf.tensor) not in (torch.Tensor, nn.Parameter) or entry.dtype != bucket.dtype
+                    or leaf.stride != contiguous_stride(leaf.shape) or entry.start % itemsize):
+                return None
+            try:
+                view = mapped[entry.file][entry.start:entry.end].view(bucket.dtype).view(entry.shape)
+            except RuntimeError:  # a file this process may not map
+                return None
+            views[id(leaf.tensor)] = view
+            parts.append((entry.file, entry.start, entry.nbytes, leaf.offset * itemsize))
+            addresses.append(view.data_ptr())
+        extents.append(CheckpointExtents(parts, tuple(addresses)))
+    return views, extents
 
 
 def _fill_place(leaf: Any, buffer: torch.Tensor | DiskFile, entry: Entry | None, reader: _Reader,

@@ -32,24 +32,26 @@ def viewed(value: torch.Tensor) -> torch.Tensor:
 
 
 class Filled(NamedTuple):
-    """A flat host buffer filled laid out as a group's bucket, and the `runtime.disk.DiskFile` it maps, if any."""
-    flat: torch.Tensor
+    """What a group's bucket was filled into, laid out as the host store lays it out: a flat host buffer (in
+    memory, or mapping the `runtime.disk.DiskFile` ``file``), or no buffer and ``file`` the checkpoint's own
+    extents (`runtime.disk.CheckpointExtents`) whose mapping the weights already view."""
+    flat: torch.Tensor | None
     file: Any = None
 
 
-_FILLED: dict[int, Filled] = {}  # storage address -> what was filled there
+_FILLED: dict[int, Filled] = {}  # the address of a bucket's first byte -> what was filled there
 
 
-def offer_filled(flat: torch.Tensor, file: Any = None) -> None:
-    """``flat`` was filled laid out as a group's bucket (`checkpoint.load_checkpoint`): packing takes it as the
+def offer_filled(address: int, filled: Filled) -> None:
+    """A bucket starting at ``address`` was filled (`checkpoint.load_checkpoint`): packing takes it as the
     bucket's buffer instead of copying into a new one (`take_filled`), until `forget_filled`."""
-    _FILLED[flat.untyped_storage().data_ptr()] = Filled(flat, file)
+    _FILLED[address] = filled
 
 
-def take_filled(storage: torch.UntypedStorage) -> Filled | None:
-    """What was offered over ``storage``, once; None where nothing was (the weights' own storage, or a
+def take_filled(address: int) -> Filled | None:
+    """What was offered at ``address``, once; None where nothing was (the weights' own storage, or a
     file-backed mapping such as a model loaded by ``from_pretrained``: packing copies those)."""
-    return _FILLED.pop(storage.data_ptr(), None) if storage.data_ptr() else None
+    return _FILLED.pop(address, None) if address else None
 
 
 def forget_filled() -> None:

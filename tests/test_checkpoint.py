@@ -70,8 +70,8 @@ def _offered(monkeypatch) -> list[int]:
     from offload_compiler import checkpoint
     offered = []
     real = checkpoint.offer_filled
-    monkeypatch.setattr(checkpoint, "offer_filled",
-                        lambda flat, file=None: (offered.append(flat.untyped_storage().data_ptr()), real(flat, file)))
+    monkeypatch.setattr(checkpoint, "offer_filled", lambda address, filled: (
+        offered.append(filled.flat.untyped_storage().data_ptr()), real(address, filled)))
     return offered
 
 

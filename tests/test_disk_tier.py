@@ -167,22 +167,72 @@ def test_on_a_device_that_is_not_the_host_disk_groups_go_through_a_staging_buffe
     assert stats.disk_bytes_read == 3 * 4 * BLOCK and stats.on_demand_bytes == 0
 
 
-def test_loading_a_checkpoint_writes_the_disk_groups_to_their_files_directly(tmp_path):
+def _checkpoint(tmp_path, reference, dtype=None):
     from safetensors.torch import save_file
-    reference = _model(5)
     path = tmp_path / "model.safetensors"
-    save_file(reference.state_dict(), str(path))
+    save_file({k: v if dtype is None else v.to(dtype) for k, v in reference.state_dict().items()}, str(path))
     folder = tmp_path / "disk"
     folder.mkdir()
     with empty_weights():
         model = Stack().eval()
+    return model, path, folder
+
+
+def test_groups_on_disk_are_read_from_the_checkpoints_own_file(tmp_path, monkeypatch):
+    """Loading reads nothing of the groups on disk: their weights view the checkpoint (privately mapped), and
+    each fill reads their extents from it."""
+    from offload_compiler import checkpoint
+    read, real = [], checkpoint._Reader._read
+    monkeypatch.setattr(checkpoint._Reader, "_read", lambda self, address, entry: (read.append(entry.name),
+                                                                                   real(self, address, entry)))
+    reference = _model(5)
+    model, path, folder = _checkpoint(tmp_path, reference)
     m = offload_compile(model, _policy(folder), checkpoint=path)
     runtime = _runtime(m)
-    assert sum(g.on_disk for g in runtime.groups) == 4 and os.listdir(folder) == []
+    on_disk = [g for g in runtime.groups if g.on_disk]
+    assert len(on_disk) == 4 and all(b.file.read_only and b.host is None for g in on_disk for b in g.buckets)
+    assert sorted(read) == sorted(k for k in reference.state_dict() if not any(
+        k.startswith(g.name + ".") for g in on_disk))
+    assert os.listdir(folder) == []
     x = torch.randn(2, 8)
     with torch.no_grad():
         assert torch.equal(m(x), reference(x))
     assert offload_stats(m).disk_bytes_read == 4 * BLOCK
+
+
+@pytest.mark.parametrize("how", ["add_", "data"])
+def test_a_weight_read_from_the_checkpoint_changed_moves_its_group_to_a_file_and_never_writes_the_checkpoint(
+        tmp_path, how):
+    reference = _model(6)
+    model, path, folder = _checkpoint(tmp_path, reference)
+    saved = path.read_bytes()
+    m = offload_compile(model, _policy(folder), checkpoint=path)
+    group = next(g for g in _runtime(m).groups if g.on_disk)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        m(x)
+        delta = torch.randn(64, 64)
+        for target in (m, reference):
+            weight = target.get_submodule(group.name).weight
+            if how == "add_":
+                weight.add_(delta)
+            else:
+                weight.data = weight.data + delta
+        assert torch.equal(m(x), reference(x))
+        assert torch.equal(m(x), reference(x))
+    assert not any(b.file.read_only for b in group.buckets)  # its own file now
+    assert path.read_bytes() == saved
+
+
+def test_a_checkpoint_in_another_dtype_is_written_to_files_of_its_own(tmp_path):
+    reference = _model(7)
+    model, path, folder = _checkpoint(tmp_path, reference, torch.bfloat16)
+    m = offload_compile(model, _policy(folder), checkpoint=path)
+    on_disk = [g for g in _runtime(m).groups if g.on_disk]
+    assert len(on_disk) == 4 and not any(b.file.read_only for g in on_disk for b in g.buckets)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference.to(torch.bfloat16).float()(x))
 
 
 @pytest.mark.slow
@@ -230,3 +280,19 @@ def test_a_disk_that_fills_up_while_packing_leaves_the_model_running_unchanged(t
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def test_on_a_device_that_is_not_the_host_groups_read_from_the_checkpoint_stream_too(tmp_path):
+    from offload_compiler.testing import simulated_device
+    device = simulated_device()
+    reference = _model(8)
+    model, path, folder = _checkpoint(tmp_path, reference)
+    m = offload_compile(model, _policy(folder, device=device), checkpoint=path)
+    assert sum(b.file is not None and b.file.read_only for g in _runtime(m).groups for b in g.buckets) == 4
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(2):
+            torch.testing.assert_close(m(x.to(device)).cpu(), expected)
+        assert torch.equal(m.state_dict()["blocks.0.weight"], reference.state_dict()["blocks.0.weight"])
+    assert offload_stats(m).on_demand_bytes == 0

@@ -28,6 +28,8 @@ from .layout import Group
 class DiskFile:
     """One bucket's bytes in a file: an open descriptor (the file is already unlinked) and the mapping."""
 
+    read_only = False
+
     def __init__(self, folder: str, nbytes: int) -> None:
         fd, path = tempfile.mkstemp(prefix="offload-", suffix=".bin", dir=folder)
         self.fd = fd
@@ -76,6 +78,46 @@ class DiskFile:
         if not self.unlinked and os.path.exists(self.path):
             os.unlink(self.path)
             self.unlinked = True
+
+
+class CheckpointExtents:
+    """One bucket's bytes where a safetensors checkpoint already holds them: per weight, an extent of a file
+    (``path``, byte ``start``, ``nbytes``) that goes at byte ``at`` of the bucket. The weights are views of a
+    private mapping of the file (``addresses``: where each starts), so nothing is copied at loading; the
+    checkpoint is never written (`HostStore.refresh` moves the group to a file of its own at its first change)."""
+
+    read_only = True
+
+    def __init__(self, extents: list[tuple[str, int, int, int]], addresses: tuple[int, ...]) -> None:
+        self.extents = extents
+        self.addresses = addresses
+        self.nbytes = sum(nbytes for _, _, nbytes, _ in extents)
+        self._fds: dict[str, int] = {}
+
+    def read_into(self, target: torch.Tensor) -> None:
+        """Each extent into its place in ``target`` (a contiguous host tensor of the bucket's size)."""
+        view = _memory(target)
+        for path, start, nbytes, at in self.extents:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            done = 0
+            while done < nbytes:
+                got = os.preadv(fd, [view[at + done:at + nbytes]], start + done)
+                if not got:
+                    raise OSError(f"{path} ended at byte {start + done} while reading a weight (truncated since "
+                                  f"it was loaded?)")
+                done += got
+            _drop_pages(fd, start, nbytes)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_fds"):
+            self.close()
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:

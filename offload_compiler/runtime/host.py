@@ -73,40 +73,59 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
 
 def pack_to_disk(group: Group, folder: str) -> None:
     """`pack_group` for a group on disk: each bucket's bytes go into a file of their own (`disk.DiskFile`) and
-    the leaves become views of its mapping; host memory keeps nothing of them. A leaf that cannot be packed
+    the leaves become views of its mapping; host memory keeps nothing of them. A bucket loaded from a
+    checkpoint keeps what the loader made: its file, or the checkpoint's own extents (read-only: the first
+    write into them moves the group to a file of its own, `HostStore.refresh`). A leaf that cannot be packed
     (`Bucket.owner`) keeps its own storage, as in memory."""
     for bi, bucket in enumerate(group.buckets):
-        if bucket.owner is not None or bucket.host is not None:
+        if bucket.owner is not None or bucket.host is not None or bucket.file is not None:
             continue
         members = [leaf for leaf in group.leaves if leaf.bucket == bi]
         filled = _laid_out(bucket, members)
-        if filled is not None and filled.file is not None:  # read from a checkpoint into its file already
+        if filled is not None and filled.file is not None:
             bucket.host, bucket.file = filled.flat, filled.file
-            continue
-        file = DiskFile(folder, bucket.nbytes)
-        itemsize = bucket.dtype.itemsize
-        with torch.no_grad():
-            for leaf in members:
-                value = leaf.value.detach()
-                if tuple(value.stride()) != leaf.stride or value.device.type != "cpu":
-                    value = torch.empty_strided(leaf.shape, leaf.stride, dtype=bucket.dtype).copy_(value)
-                file.write(leaf.offset * itemsize, value)
-        flat = file.mapped(bucket.dtype, bucket.numel)
+        else:
+            _write_bucket(bucket, members, folder)
+    _packed_on_disk(group)
+
+
+def _write_bucket(bucket: Bucket, members: list[Leaf], folder: str) -> None:
+    """The members' bytes (as they are now) into a new file of the bucket's layout; they become views of it."""
+    file = DiskFile(folder, bucket.nbytes)
+    itemsize = bucket.dtype.itemsize
+    with torch.no_grad():
         for leaf in members:
-            leaf.assign(leaf.host_view(flat))
-        bucket.host, bucket.file = flat, file
+            value = leaf.value.detach()
+            if tuple(value.stride()) != leaf.stride or value.device.type != "cpu":
+                value = torch.empty_strided(leaf.shape, leaf.stride, dtype=bucket.dtype).copy_(value)
+            file.write(leaf.offset * itemsize, value)
+    flat = file.mapped(bucket.dtype, bucket.numel)
+    for leaf in members:
+        leaf.assign(leaf.host_view(flat))
+    previous, bucket.host, bucket.file = bucket.file, flat, file
+    if previous is not None:
+        previous.close()
+
+
+def _packed_on_disk(group: Group) -> None:
     for leaf in group.leaves:
         leaf.host_ptr = leaf.value.data_ptr()
+        leaf.host_version = (leaf.value._version,)
     group.staged = ()
     group.packed = True
 
 
 def _laid_out(bucket: Bucket, members: list[Leaf]) -> Filled | None:
-    """The buffer the members were read into, each at its place (`checkpoint.load_checkpoint` offers it),
-    else None: packing then copies nothing."""
+    """What the members were read into, each at its place (`checkpoint.load_checkpoint` offers it), else
+    None: packing then copies nothing."""
     values = [viewed(leaf.value) for leaf in members]  # a host master's bytes: the tensor they were cut from
-    filled = take_filled(values[0].untyped_storage()) if values and values[0].device.type == "cpu" else None
-    if filled is None or filled.flat.dtype != bucket.dtype or filled.flat.numel() != bucket.numel:
+    filled = take_filled(values[0].data_ptr()) if values and values[0].device.type == "cpu" else None
+    if filled is None:
+        return None
+    if filled.flat is None:  # the checkpoint's own bytes: each weight a view of its extent
+        places = tuple(v.data_ptr() for v in values)
+        return filled if places == filled.file.addresses and all(v.is_contiguous() for v in values) else None
+    if filled.flat.dtype != bucket.dtype or filled.flat.numel() != bucket.numel:
         return None
     address = filled.flat.untyped_storage().data_ptr()
     for leaf, value in zip(members, values):
@@ -188,7 +207,17 @@ class HostStore:
 
     def refresh(self, group: Group) -> None:
         """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
-        flat buffer."""
+        flat buffer. A group read from a checkpoint's own extents moves to a file of its own at the first
+        change of any of its weights (the checkpoint is never written; a fill reads the file)."""
+        if group.on_disk and any(b.file is not None and b.file.read_only for b in group.buckets):
+            if any(leaf.value.data_ptr() != leaf.host_ptr or (leaf.value._version,) != leaf.host_version
+                   for leaf in group.leaves):
+                self.wait_for_copies()
+                for bi, bucket in enumerate(group.buckets):
+                    if bucket.file is not None and bucket.file.read_only:
+                        _write_bucket(bucket, [leaf for leaf in group.leaves if leaf.bucket == bi], self.disk_dir)
+                _packed_on_disk(group)
+            return
         for leaf in group.leaves:  # once per leaf per fetch: a plain weight's leaf is the weight itself
             if leaf.value.data_ptr() != leaf.host_ptr:
                 self._repack(group, leaf)
