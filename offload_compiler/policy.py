@@ -22,7 +22,7 @@ COMPONENT_STRATEGIES = ("alternating", "model")
 COMPILERS = ("eager", "inductor")
 GIB = 1 << 30
 KNOWN = IMPLEMENTED_STRATEGIES + PLANNER_STRATEGIES
-DISK_STRATEGIES = ("layerwise", "budget", "sequential")
+DISK_STRATEGIES = ("layerwise", "budget", "sequential", "auto")
 
 
 def default_device() -> str:
@@ -225,8 +225,7 @@ class OffloadPolicy:
         object.__setattr__(self, "disk_dir", os.fspath(folder))
         if strategy not in DISK_STRATEGIES:
             raise ValueError(f"host_budget_gb (the disk tier) applies to strategies {DISK_STRATEGIES}, which stream "
-                             f"groups at every call; strategy={strategy!r} does not (strategy='auto' does not plan "
-                             f"host memory yet: use 'layerwise' or 'budget')")
+                             f"groups at every call; strategy={strategy!r} does not")
 
     @property
     def host_budget_bytes(self) -> int | None:

@@ -3,6 +3,7 @@
 the traffic, the outputs and every way of changing a weight stay as for groups in host memory."""
 
 import copy
+import dataclasses
 import os
 import platform
 
@@ -57,8 +58,6 @@ def test_policy_needs_both_fields_an_existing_directory_and_a_streaming_strategy
         OffloadPolicy(host_budget_gb=1, disk_dir=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=">= 0"):
         OffloadPolicy(host_budget_gb=-1, disk_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="does not plan host memory"):
-        OffloadPolicy(strategy="auto", device_budget_gb=1, host_budget_gb=1, disk_dir=str(tmp_path))
     with pytest.raises(ValueError, match="strategies"):
         OffloadPolicy(strategy="alternating", host_budget_gb=1, disk_dir=str(tmp_path))
 
@@ -296,3 +295,46 @@ def test_on_a_device_that_is_not_the_host_groups_read_from_the_checkpoint_stream
             torch.testing.assert_close(m(x.to(device)).cpu(), expected)
         assert torch.equal(m.state_dict()["blocks.0.weight"], reference.state_dict()["blocks.0.weight"])
     assert offload_stats(m).on_demand_bytes == 0
+
+
+def test_auto_plans_the_host_budget_and_the_runtime_reads_what_it_predicted(tmp_path):
+    """strategy="auto" with a host budget: the planner predicts the groups on disk with the rule the host store
+    applies, charges their reads at the disk bandwidth it measured, and the runtime reads exactly those."""
+    from offload_compiler import offload_plan
+    model, reference = _model(9), _model(9)
+    device_budget = (2 * BLOCK + 8 * 64 * 4 + 64 * 4 * 4) / 2**30 * 4  # room for a few blocks, not all
+    policy = _policy(tmp_path, blocks_in_memory=2, strategy="auto", device_budget_gb=device_budget)
+    m = offload_compile(model, policy)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+    plan = offload_plan(m)
+    runtime = _runtime(m)
+    predicted = {plan.table.groups[g].name for g in plan.solution.prediction.disk}
+    assert predicted and predicted == {g.name for g in runtime.groups if g.on_disk}
+    assert runtime.host.host_bytes <= policy.host_budget_bytes
+    rows = {row["group"]: row for row in plan.rows()}
+    assert all(rows[name]["residency"] == "disk" for name in predicted) and "read from disk" in str(plan)
+    assert plan.table.disk_bandwidth > 0
+    without = dataclasses.replace(plan.table, host_budget=None)
+    from offload_compiler.planning.planner import predict
+    assert predict(plan.table, plan.solution.choice).time_s > predict(without, plan.solution.choice).time_s
+    reset_offload_stats(m)
+    with torch.no_grad():
+        m(x)
+    assert offload_stats(m).disk_bytes_read == sum(g.nbytes for g in runtime.groups if g.on_disk)
+
+
+def test_auto_with_no_host_memory_to_spare_streams_every_group_from_disk(tmp_path):
+    """Streaming a group is always possible, so a host budget of nothing is met by reading everything from
+    disk: auto, whose device budget would let it keep groups resident, streams them all from disk instead."""
+    from offload_compiler import offload_plan
+    policy = OffloadPolicy(strategy="auto", device_budget_gb=1.0, host_budget_gb=0, disk_dir=str(tmp_path))
+    model, reference = _model(10), _model(10)
+    m = offload_compile(model, policy)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+    runtime = _runtime(m)
+    assert runtime.host.host_bytes == 0 and all(g.on_disk for g in runtime.groups if g.nbytes)
+    assert not offload_plan(m).resident

@@ -21,6 +21,7 @@ from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from ..policy import OffloadPolicy
 from ..runtime import OffloadRuntime, synchronize, tracing_on
+from ..runtime.disk import read_bandwidth
 from ..runtime.stats import readable_bytes
 
 BLOCKS_PER_GROUP_CANDIDATES = (1, 2, 4)
@@ -129,10 +130,12 @@ class OffloadPlan:
         used = set(self.table.used_groups)
         fetches = [i.group for i in self.solution.prediction.schedule.instances]
         compute = self.table.group_compute_s()
+        disk = self.solution.prediction.disk
         return [{"group": g.name, "bytes": g.nbytes, "block": g.is_block,
-                 "residency": "unused" if i not in used else "resident" if i in self.resident else "streamed",
+                 "residency": "unused" if i not in used else "resident" if i in self.resident else
+                 "disk" if i in disk else "streamed",
                  "fetches": fetches.count(i),
-                 "transfer_s": fetches.count(i) * self.table.transfer_s(i) if i in used else 0.0,
+                 "transfer_s": fetches.count(i) * self.table.transfer_s(i, i in disk) if i in used else 0.0,
                  "compute_s": compute.get(i, 0.0)}
                 for i, g in enumerate(self.table.groups)]
 
@@ -175,6 +178,10 @@ class OffloadPlan:
             lines.append(f"  {row['group']:<36s} {readable_bytes(row['bytes']):>13s}  {row['residency']:<9s} "
                          f"{row['fetches']:7d} "
                          f"{ms(row['transfer_s'])}  {ms(row['compute_s'])}")
+        if self.table.host_budget is not None:
+            disk = sum(self.table.groups[g].nbytes for g in p.disk)
+            lines.append(f"  host budget {mib(self.table.host_budget)}: {mib(disk)} of streamed groups read from disk "
+                         f"(residency 'disk') at {self.table.disk_bandwidth / 1e9:.2f} GB/s, measured")
         lines.append(f"  predicted peak {mib(p.peak_bytes)} = weights {mib(p.weights_peak_bytes)} "
                      f"({mib(p.resident_bytes)} resident) + activations {mib(p.activation_bytes)}")
         lines.append(f"  predicted time {ms(p.time_s)} = call {ms(p.call_s)} + compute {ms(p.compute_s)} "
@@ -218,6 +225,9 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
             break
         specs = plan_groups(model, policy.replace(blocks_per_group=per))
         table = build_table(gm, example_inputs, specs, rates, per, carry=policy.prefetch_next_call)
+        if policy.host_budget_gb is not None:  # the disk tier: what the host store will read from disk, and how fast
+            table = dataclasses.replace(table, host_budget=policy.host_budget_bytes,
+                                        disk_bandwidth=read_bandwidth(policy.disk_dir))
         first_table = first_table or table
         solution = _predicted_times(table, budget)
         candidates[per] = solution.prediction.time_s if solution else None

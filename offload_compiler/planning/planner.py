@@ -29,6 +29,7 @@ import math
 from typing import Iterable
 
 from ..passes.schedule import Schedule, Use, build_schedule, peak_bytes
+from ..runtime.disk import beyond_budget
 
 GIB = 1 << 30
 
@@ -53,6 +54,8 @@ class CostTable:
     overlap: bool = True  # fetches run beside compute (copy stream) instead of inline
     blocks_per_group: int = 1
     carry: bool = False  # prefetch wrap-around (policy.prefetch_next_call): steady-state calls are predicted
+    host_budget: int | None = None  # host memory for the packed weights (the disk tier): the rest is on disk
+    disk_bandwidth: float = 0.0  # bytes per second a fill reads from disk
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "uses", compress_uses(self.uses))
@@ -72,8 +75,19 @@ class CostTable:
     def compute_s(self) -> float:
         return self._prefix[-1]
 
-    def transfer_s(self, group: int) -> float:
-        return self.fetch_overhead_s + self.groups[group].nbytes / self.bandwidth
+    def transfer_s(self, group: int, on_disk: bool = False) -> float:
+        """A fetch of ``group``; from disk, the read and then the copy (counted one after the other)."""
+        nbytes = self.groups[group].nbytes
+        return self.fetch_overhead_s + nbytes / self.bandwidth + (nbytes / self.disk_bandwidth if on_disk else 0.0)
+
+    def on_disk(self, resident: frozenset[int]) -> frozenset[int] | None:
+        """The groups the host store will leave on disk when ``resident`` stay on the device (every other group
+        with bytes is streamed, as `auto.planned_specs` makes them): `runtime.disk.beyond_budget`'s rule. None
+        where no choice of disk groups fits the host budget."""
+        if self.host_budget is None:
+            return frozenset()
+        sizes = [g.nbytes for g in self.groups]
+        return beyond_budget(sizes, [i for i, size in enumerate(sizes) if size and i not in resident], self.host_budget)
 
     def first_use(self) -> dict[int, int]:
         first: dict[int, int] = {}
@@ -121,6 +135,7 @@ class Prediction:
     fetches: int
     schedule: Schedule
     call_s: float = 0.0  # the call's fixed cost
+    disk: frozenset[int] = frozenset()  # the groups read from disk at each of their fetches (host_budget)
 
     @property
     def peak_bytes(self) -> int:
@@ -139,17 +154,22 @@ def schedule_for(table: CostTable, choice: Choice) -> Schedule:
 
 
 def predict(table: CostTable, choice: Choice) -> Prediction:
+    """The choice's forward time and device peak; a time of infinity where the host budget cannot hold what it
+    keeps in memory (`CostTable.on_disk`)."""
     schedule = schedule_for(table, choice)
     used = set(table.used_groups)
     resident_bytes = sum(table.groups[g].nbytes for g in choice.resident & used)
     streamed_peak = peak_bytes(schedule, {g: table.groups[g].nbytes for g in used})
-    return Prediction(table.call_overhead_s + _replay(table, schedule), table.compute_s,
-                      sum(table.transfer_s(i.group) for i in schedule.instances),
+    disk = table.on_disk(choice.resident)
+    time_s = math.inf if disk is None else table.call_overhead_s + _replay(table, schedule, disk=disk)
+    return Prediction(time_s, table.compute_s,
+                      sum(table.transfer_s(i.group, i.group in (disk or ())) for i in schedule.instances),
                       resident_bytes + streamed_peak, resident_bytes, table.activation_bytes,
-                      len(schedule.instances), schedule, table.call_overhead_s)
+                      len(schedule.instances), schedule, table.call_overhead_s, disk or frozenset())
 
 
-def _replay(table: CostTable, schedule: Schedule, events: list | None = None) -> float:
+def _replay(table: CostTable, schedule: Schedule, events: list | None = None,
+            disk: frozenset[int] = frozenset()) -> float:
     """Forward time of a schedule: waits in order, each issuing the prefetches the schedule puts there.
     With carried instances (wrap-around) it is a steady-state call: they were issued by the previous call at
     their carry points, so they are ready at the start unless the copies ran past the end of that call.
@@ -171,7 +191,8 @@ def _replay(table: CostTable, schedule: Schedule, events: list | None = None) ->
 
     def issue(index: int, into: dict[int, float]) -> None:
         nonlocal clock, copy_free
-        group, seconds = instances[index].group, table.transfer_s(instances[index].group)
+        group = instances[index].group
+        seconds = table.transfer_s(group, group in disk)
         if table.overlap:
             start = max(clock, copy_free)
             copy_free = into[index] = start + seconds
@@ -199,7 +220,7 @@ def _replay(table: CostTable, schedule: Schedule, events: list | None = None) ->
 
 def timeline(table: CostTable, choice: Choice) -> list[tuple[str, int, float, float]]:
     events: list[tuple[str, int, float, float]] = []
-    _replay(table, schedule_for(table, choice), events)
+    _replay(table, schedule_for(table, choice), events, table.on_disk(choice.resident) or frozenset())
     return events
 
 
@@ -311,7 +332,8 @@ def solve(table: CostTable, budget_bytes: int, max_prefetch: int = 4, max_nodes:
     state = {"best": None, "choice": None, "nodes": 0}
 
     def offer(choice: Choice, prediction: Prediction) -> None:
-        if prediction.peak_bytes <= budget_bytes and _better(prediction, state["best"]):
+        if (prediction.peak_bytes <= budget_bytes and math.isfinite(prediction.time_s)
+                and _better(prediction, state["best"])):
             state["best"], state["choice"] = prediction, choice
 
     def search(depth: int, i: int, resident: frozenset[int], resident_bytes: int, largest_streamed: int) -> None:
@@ -339,9 +361,19 @@ def solve(table: CostTable, budget_bytes: int, max_prefetch: int = 4, max_nodes:
     for depth in prefetch_depths(table, max_prefetch):
         offer(Choice(frozenset(), depth), predict(table, Choice(frozenset(), depth)))
         search(depth, 0, frozenset(), 0, 0)
-    if state["best"] is None:  # pragma: no cover - minimum_budget guarantees a feasible choice
-        raise infeasible_message(table, budget_bytes)
+    if state["best"] is None:  # minimum_budget guarantees a choice within the device budget: the host's failed
+        raise _host_infeasible(table, budget_bytes)
     return Solution(state["choice"], state["best"], state["nodes"] <= max_nodes, state["nodes"])
+
+
+def _host_infeasible(table: CostTable, budget_bytes: int) -> InfeasibleBudgetError:
+    """No plan within the device budget leaves few enough bytes in host memory: the resident groups' host copies
+    stay there, so the host budget must hold what the device budget forces resident."""
+    return InfeasibleBudgetError(
+        f"host_budget_gb={table.host_budget / GIB:.4g} cannot hold what every plan within device_budget_gb="
+        f"{budget_bytes / GIB:.4g} keeps in host memory (the host copies of the groups it keeps resident, and the "
+        f"groups no plan streams); raise host_budget_gb, or lower device_budget_gb so that more is streamed",
+        table.host_budget or 0, budget_bytes)
 
 
 def _faster_than_bound(best: Prediction, bound_s: float) -> bool:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import os
 import tempfile
+import time
+from typing import Iterable, Sequence
 
 import torch
 
@@ -133,20 +135,51 @@ def _drop_pages(fd: int, start: int, length: int) -> None:
         os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
 
 
-def disk_groups(groups: list[Group], budget: int) -> frozenset[int]:
-    """The groups whose host buffers go to disk so that the rest fit ``budget`` bytes of host memory: streamed
-    groups only (a resident group is read once), the largest first (fewest files for the bytes). Raises where
-    even every streamed group on disk leaves too much."""
-    held = sum(g.nbytes for g in groups)
+def beyond_budget(sizes: Sequence[int], streamed: Iterable[int], budget: int) -> frozenset[int] | None:
+    """The groups (indices into ``sizes``) to put on disk so that the rest fit ``budget`` bytes of host memory:
+    streamed groups only (a resident group is read once), the largest first (fewest files for the bytes).
+    None where even every streamed group on disk leaves too much. The planner predicts with this rule and the
+    host store applies it (`disk_groups`): the two agree by construction."""
+    held = sum(sizes)
     chosen = []
-    for group in sorted((g for g in groups if g.streamed), key=lambda g: -g.nbytes):
+    for index in sorted(streamed, key=lambda i: (-sizes[i], i)):
         if held <= budget:
             break
-        chosen.append(group.index)
-        held -= group.nbytes
-    if held > budget:
+        chosen.append(index)
+        held -= sizes[index]
+    return frozenset(chosen) if held <= budget else None
+
+
+def disk_groups(groups: list[Group], budget: int) -> frozenset[int]:
+    """`beyond_budget` for a runtime's groups; raises where the budget cannot be met."""
+    chosen = beyond_budget([g.nbytes for g in groups], [g.index for g in groups if g.streamed], budget)
+    if chosen is None:
         kept = sum(g.nbytes for g in groups if not g.streamed)
         raise ValueError(f"host_budget_gb={budget / 2**30:.3g} is below what stays in host memory with every streamed "
                          f"group on disk: {kept / 2**30:.3g} GiB of groups resident on the device (their host copies). "
                          f"Raise host_budget_gb to at least that, or stream more of the model")
-    return frozenset(chosen)
+    return chosen
+
+
+_BANDWIDTH: dict[str, float] = {}
+
+
+def read_bandwidth(folder: str, nbytes: int = 64 << 20) -> float:
+    """Bytes per second reading a file of ``nbytes`` in ``folder`` with its pages dropped first, as a fill
+    reads (median of 3; measured once per folder and process, for `strategy="auto"`)."""
+    if folder not in _BANDWIDTH:
+        file = DiskFile(folder, nbytes)
+        try:
+            file.write(0, torch.ones(nbytes // 4))
+            os.fsync(file.fd)
+            target = torch.empty(nbytes // 4)
+            times = []
+            for _ in range(3):
+                _drop_pages(file.fd, 0, nbytes)
+                start = time.perf_counter()
+                file.read_into(target)
+                times.append(time.perf_counter() - start)
+        finally:
+            file.close()
+        _BANDWIDTH[folder] = nbytes / sorted(times)[1]
+    return _BANDWIDTH[folder]
