@@ -169,12 +169,21 @@ def test_plan_table_text_and_json():
     assert {r["residency"] for r in data["groups"]} <= {"resident", "streamed", "unused"}
     assert data["predicted"]["peak_bytes"] <= data["budget_bytes"]
     assert data["measured"]["calls"] == 3 and data["measured"]["median_time_s"] > 0
+    assert len(data["measured"]["times_s"]) == 3 and data["measured"]["calibration_spread"] >= 0
     assert data["measured"]["weights_peak_bytes"] == offload_stats(m).peak_resident_bytes
     text = str(plan)
     assert "model.layers.0" in text and "predicted peak" in text and "measured / predicted" in text
+    assert "how far to trust it" in text and f"varied by {plan.rates.call_spread:.0%}" in text
     again = plan_offload(model, policy, **kwargs)  # planned with compute refined by the timed calls
     assert [(r["group"], r["bytes"]) for r in again.rows()] == [(r["group"], r["bytes"]) for r in data["groups"]]
     assert again.rates.compute_scale == plan.rates.compute_scale != 1.0
+
+
+def test_relative_spread_is_zero_for_steady_calls_and_grows_with_a_load():
+    from offload_compiler.planning.calibrate import relative_spread
+    assert relative_spread([1.0] * 9) == 0.0
+    assert relative_spread([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]) > 0.5
+    assert relative_spread([1.0, 2.0]) == 0.0  # too few calls to say
 
 
 def test_free_budget_form():

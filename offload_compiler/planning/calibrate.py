@@ -76,6 +76,15 @@ class Overheads:
     op_s: float
     call_s: float
     fetch_s: float
+    spread: float  # interquartile range / median of the offloaded probe's calls: how steady the machine was
+
+
+def relative_spread(times: list[float]) -> float:
+    """Interquartile range over median: 0 on a quiet machine; a load that comes and goes widens it."""
+    if len(times) < 4:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / median if median > 0 else 0.0
 
 
 def interleaved_times(fns: list[Callable[[], Any]], sync: Callable[[], None]) -> list[list[float]]:
@@ -172,7 +181,7 @@ def measure_overheads(device: torch.device, rates: Any) -> Overheads:
     blocks = [i for i, s in enumerate(specs) if s.is_block]
     extra_s = statistics.median(b - a for a, b in zip(resident, stream))
     fetch_s = max((extra_s - sum(table.transfer_s(g) for g in blocks)) / len(blocks), 0.0)
-    return Overheads(op_s, call_s, fetch_s)
+    return Overheads(op_s, call_s, fetch_s, relative_spread(stream))
 
 
 def _rates_key(device: torch.device, compiler: str) -> tuple:
@@ -194,5 +203,5 @@ def device_rates(device: torch.device | str, compiler: str = "eager") -> DeviceR
             base = measure_rates(device)
             found = measure_overheads(device, base)
             _RATES[key] = dataclasses.replace(base, op_overhead_s=found.op_s, call_overhead_s=found.call_s,
-                                              fetch_overhead_s=found.fetch_s)
+                                              fetch_overhead_s=found.fetch_s, call_spread=found.spread)
     return _RATES[key]

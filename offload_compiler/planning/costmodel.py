@@ -32,6 +32,7 @@ class DeviceRates:
     overlap: bool  # copies run on a copy stream beside compute
     call_overhead_s: float = 0.0  # fixed cost of one call of the offloaded model: guards, wrapper, runner
     compute_scale: float = 1.0  # measured / predicted work (FLOPs, bytes), refined after offloaded runs
+    call_spread: float = 0.0  # how much the calibration's calls varied: interquartile range / median
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
