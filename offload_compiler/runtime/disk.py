@@ -59,13 +59,7 @@ class DiskFile:
 
     def read_into(self, target: torch.Tensor) -> None:
         """The whole file into ``target`` (a contiguous host tensor of its size), its pages dropped after."""
-        view = _memory(target)
-        done = 0
-        while done < self.nbytes:
-            got = os.preadv(self.fd, [view[done:]], done)
-            if not got:
-                raise OSError(f"offload file {self.path} ended at byte {done} of {self.nbytes}")
-            done += got
+        _read(self.fd, _memory(target), 0, self.path)
         _drop_pages(self.fd, 0, self.nbytes)
 
     def __del__(self) -> None:  # a runtime collected without unpacking: its descriptors go with it
@@ -103,13 +97,7 @@ class CheckpointExtents:
             fd = self._fds.get(path)
             if fd is None:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            done = 0
-            while done < nbytes:
-                got = os.preadv(fd, [view[at + done:at + nbytes]], start + done)
-                if not got:
-                    raise OSError(f"{path} ended at byte {start + done} while reading a weight (truncated since "
-                                  f"it was loaded?)")
-                done += got
+            _read(fd, view[at:at + nbytes], start, path)
             _drop_pages(fd, start, nbytes)
 
     def close(self) -> None:
@@ -120,6 +108,22 @@ class CheckpointExtents:
     def __del__(self) -> None:
         if hasattr(self, "_fds"):
             self.close()
+
+
+READ_CHUNK = 4 << 20  # one read call's bytes: a single read of a whole group (100+ MB) ran at 1.1 GB/s where
+#                       4 MiB reads of the same file, pages dropped, ran at 1.8 GB/s (the kernel's readahead
+#                       pipelines a sequence of reads; one huge request is split and waited for piece by piece)
+
+
+def _read(fd: int, view: memoryview, start: int, path: str) -> None:
+    """``len(view)`` bytes of the file from byte ``start`` into ``view``, in `READ_CHUNK` reads."""
+    done, total = 0, len(view)
+    while done < total:
+        got = os.preadv(fd, [view[done:min(done + READ_CHUNK, total)]], start + done)
+        if not got:
+            raise OSError(f"{path} ended at byte {start + done} while {total - done} more bytes were to be read "
+                          f"(truncated since it was written?)")
+        done += got
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:
