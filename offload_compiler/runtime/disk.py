@@ -165,6 +165,61 @@ def disk_groups(groups: list[Group], budget: int) -> frozenset[int]:
     return chosen
 
 
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (a clean file page is dropped; nothing is lost)
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of regular files (Linux ``/proc/self/maps``); none elsewhere."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):  # an inode and a path: a file
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, end))
+    return found
+
+
+def release_mapped_pages(tensors: list[torch.Tensor]) -> int:
+    """Ask the kernel to reclaim the pages of ``tensors`` that lie in a mapped file (a model loaded by
+    ``from_pretrained`` views its safetensors files' mapping, alive until its last weight is repacked): once a
+    group is copied into its own buffer, its bytes there would otherwise stay resident beside the copy, and
+    packing a whole model would hold it twice at the end. ``MADV_PAGEOUT`` drops clean file pages and loses
+    nothing (a page written since is kept, or swapped); anonymous memory is never advised. Returns the bytes
+    advised (0 where the OS has no such call)."""
+    mappings = _file_mappings()
+    if not mappings or not tensors:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = _libc()
+    if libc is None:
+        return 0
+    advised = 0
+    for tensor in tensors:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        for low, high in mappings:
+            first, last = max(start, low), min(end, high)
+            first = (first + page - 1) // page * page  # whole pages inside the tensor only
+            last = last // page * page
+            if first < last and libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_PAGEOUT) == 0:
+                advised += last - first
+    return advised
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
 _BANDWIDTH: dict[str, float] = {}
 
 

@@ -17,7 +17,7 @@ from ..grouping import GroupSpec
 from ..host_masters import HostMaster, release_masters
 from ..storage import Filled, take_filled, viewed
 from .device import DeviceStreams, is_accelerator
-from .disk import DiskFile, disk_groups
+from .disk import DiskFile, disk_groups, release_mapped_pages
 from .layout import Bucket, Group, Leaf, dense_layout, layout_groups, weight_layout
 from .pinning import HostRegistrations, PinningUnavailable, can_pin, pin_exact
 
@@ -51,6 +51,8 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
             with torch.no_grad():
                 for leaf in members:
                     leaf.host_view(flat).copy_(leaf.value.detach())
+            if owner is None:  # copied: pages of a mapped checkpoint the weights were read from can go now
+                release_mapped_pages([viewed(leaf.value) for leaf in members])
         if pin:
             try:
                 flat = pin_exact(flat, registrations)
