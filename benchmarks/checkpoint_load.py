@@ -69,13 +69,14 @@ def _child(method: str, folder: str, hidden: int, layers: int) -> None:
                       "resident_growth_bytes": _status("VmRSS:") - before}))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
     if args.child:
         _child(args.child[0], args.child[1], args.hidden, args.layers)
         return
@@ -105,7 +106,7 @@ def main() -> None:
         "peak_growth_over_model": {m: summary[m]["peak_growth_bytes"] / model_bytes for m in methods},
         "checkpoint_time_over_from_pretrained": summary["checkpoint"]["seconds"] / summary["from_pretrained"]["seconds"],
     }
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
 
 

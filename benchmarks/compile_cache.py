@@ -51,13 +51,13 @@ def worker(method: str, layers: int) -> dict:
     return {"first_call_s": first, "caches": caches}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--worker", nargs=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_cache.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.layers)))
         return

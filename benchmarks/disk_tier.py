@@ -100,7 +100,7 @@ def _methods(model, folder: str, budget: float) -> dict[str, tuple[object, str |
     return methods
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.4, help="host budget as a share of the model")
     parser.add_argument("--out", type=Path, default=RESULTS / "disk_tier.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from offload_compiler import offload_stats, reset_offload_stats
     model = _model(args.hidden, args.layers)

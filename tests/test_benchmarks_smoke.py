@@ -210,3 +210,25 @@ def test_call_fixed_cost_small(tmp_path):
     assert "call_fixed_cost.py" in data["command"]
     assert data["walked"] == {"routed parts": 4 * 3, "hook dicts": 2 * (1 + 1 + 4 * 3), "groups": 4}
     assert all(v > 0 for v in data["us_per_call"].values()) and data["summary"]["us_per_group"] > 0
+
+
+@pytest.mark.slow  # fresh processes per load
+def test_checkpoint_load_small(tmp_path):
+    out = tmp_path / "checkpoint_load.json"
+    _run("checkpoint_load.py", "--hidden", "256", "--layers", "1", "--rounds", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert set(data["median"]) == {"from_pretrained", "checkpoint"}
+    for method in data["median"].values():
+        assert method["seconds"] > 0 and method["peak_growth_bytes"] > 0
+    assert 0.9 <= data["peak_growth_over_model"]["checkpoint"] <= 1.3  # the model once, not twice
+
+
+@pytest.mark.slow  # four offloaders of one Llama, each call reading from disk
+def test_disk_tier_small(tmp_path):
+    out = tmp_path / "disk_tier.json"
+    _run("disk_tier.py", "--hidden", "256", "--layers", "2", "--rounds", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert all(data["outputs_equal_plain"].values()) and {"plain", "ours"} <= set(data["median_s"])
+    assert data["disk_bytes_read_per_call"] == data["disk_bytes"] > 0  # every group on disk read once per call
+    assert data["disk_bytes"] >= data["model_bytes"] - data["host_budget_bytes"]
+    assert data["read_bandwidth_bytes_per_s"] > 0 and data["limit_s"] > 0
