@@ -27,6 +27,8 @@ class OffloadStats:
     on_demand_bytes: int = 0  # weights read outside an offloaded graph, each op's copy fetched for it alone
     disk_bytes_read: int = 0  # of bytes_transferred, read from the disk tier's files (host_budget_gb)
     disk_bytes: int = 0  # weights whose host copy is on disk, not in host memory
+    routed_bytes: int = 0  # of bytes_transferred, expert bytes moved by routed fetches (the experts routed to)
+    routed_fetches: int = 0  # routed fetches run (one per expert weight read by router indices per call)
 
     @property
     def peak_device_weight_bytes(self) -> int:
@@ -43,6 +45,8 @@ class OffloadStats:
                     if self.on_demand_bytes else "")
         carried += (f"; {mib(self.disk_bytes)} on disk, {mib(self.disk_bytes_read)} read from it"
                     if self.disk_bytes else "")
+        carried += (f"; {mib(self.routed_bytes)} of it in {self.routed_fetches} routed expert fetches"
+                    if self.routed_fetches else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
                 f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
@@ -68,6 +72,7 @@ def describe(runtime) -> str:
         lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "
                      f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
                      f"{mib(v.streamed_peak_bytes)} streamed{carried}); device slots {mib(plan.pool_bytes)}")
+        lines += _expert_lines(runtime, plan)
     pool = runtime.pool
     if pool.slots:
         lines.append(f"  device pool {mib(pool.nbytes)}: "
@@ -81,6 +86,22 @@ def describe(runtime) -> str:
         lines.append(f"  host tier {mib(host)} in host memory (host_budget_gb={policy.host_budget_gb:g}), disk tier "
                      f"{mib(disk)} in files under {policy.disk_dir}, read at each of their fetches")
     return "\n".join(lines)
+
+
+def _expert_lines(runtime, plan) -> list[str]:
+    """For `describe`: how a graph fetches each expert group it reads: routed (the experts the router names, at
+    most the bound its shapes allow) or whole (the bound is every expert, or the experts are not read by router
+    indices)."""
+    lines = []
+    for r in plan.routed:
+        lines.append(f"    routed {r.name}: at most {r.bound} of {r.experts} experts per call "
+                     f"({readable_bytes(r.bound_bytes)} slot, {readable_bytes(r.expert_bytes)} per expert)")
+    routed = {r.group for r in plan.routed}
+    whole = sorted({i.group for i in plan.schedule.instances if i.group in runtime.expert_groups} - routed)
+    for group in whole:
+        lines.append(f"    whole {runtime.groups[group].name}: all experts fetched (bound is every expert, or read "
+                     f"other than by router indices)")
+    return lines
 
 
 def readable_bytes(nbytes: int) -> str:
