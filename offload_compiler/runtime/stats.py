@@ -69,7 +69,8 @@ def describe(runtime) -> str:
     for i, plan in enumerate(runtime.graph_plans):
         v = plan.verified
         carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
-        lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "
+        routed = f" + {v.routed_fetches} routed (at most {mib(v.routed_bound_bytes)})" if v.routed_fetches else ""
+        lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches{routed} per call, "
                      f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
                      f"{mib(v.streamed_peak_bytes)} streamed{carried}); device slots {mib(plan.pool_bytes)}")
         lines += _expert_lines(runtime, plan)
@@ -94,7 +95,8 @@ def _expert_lines(runtime, plan) -> list[str]:
     indices)."""
     lines = []
     for r in plan.routed:
-        lines.append(f"    routed {r.name}: at most {r.bound} of {r.experts} experts per call "
+        name = runtime.groups[r.group].slots[r.slot].name  # (as compiled: a remapped call reads another layer's)
+        lines.append(f"    routed {name}: at most {r.bound} of {r.experts} experts per call "
                      f"({readable_bytes(r.bound_bytes)} slot, {readable_bytes(r.expert_bytes)} per expert)")
     routed = {r.group for r in plan.routed}
     whole = sorted({i.group for i in plan.schedule.instances if i.group in runtime.expert_groups} - routed)

@@ -1,0 +1,98 @@
+"""Routed fetch (issue 27): an expert weight read only by router indices (transformers' ``batched_mm`` experts)
+moves the experts the router named, bounded by a slot sized from the graph's shapes; a graph whose bound is
+every expert (prefill) fetches them whole. Outputs equal the plain model's and the traffic is checked against
+the plan's bound."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import OffloadPolicy, offload_compile
+from offload_compiler.api import describe_plan, offload_stats, reset_offload_stats
+from offload_compiler.testing import assert_traffic_matches_plan
+
+E, TOP_K, H, I = 16, 2, 32, 16
+
+
+class Experts(nn.Module):
+    """Fused experts as transformers 5 keeps them, computed as its ``batched_mm`` implementation does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H) / H ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I) / I ** 0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        ids = top_k_index.reshape(-1)
+        xs = x.repeat_interleave(TOP_K, dim=0)
+        gate, up = torch.bmm(self.gate_up_proj[ids], xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(self.down_proj[ids], (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (out * top_k_weights.reshape(-1, 1)).view(x.shape[0], TOP_K, H).sum(1)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = Experts()
+
+    def forward(self, x):
+        x = x + self.proj(x)
+        weights, index = torch.topk(self.router(x).softmax(-1), TOP_K, dim=-1)
+        return x + self.experts(x, index, weights)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _policy(**kw):
+    return OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True, **kw)
+
+
+def test_decode_fetches_only_routed_experts_prefill_fetches_whole():
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, _policy())
+    expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if "experts" in n)
+    other_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if "experts" not in n)
+
+    one = torch.randn(1, H)  # decode: 1 token x top_k 2 = 2 of 16 experts at most
+    with torch.no_grad():
+        assert torch.equal(m(one), plain(one))
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(one), plain(one))
+    stats = assert_traffic_matches_plan(m)
+    assert 0 < stats.routed_bytes <= TOP_K / E * expert_bytes
+    assert stats.bytes_transferred == other_bytes + stats.routed_bytes
+    assert stats.routed_fetches == 2 * len(plain.layers)
+    plan = describe_plan(m)
+    assert f"routed layers.0.experts.gate_up_proj: at most {TOP_K} of {E} experts" in plan
+    assert f"routed layers.1.experts.down_proj: at most {TOP_K} of {E} experts" in plan
+
+    many = torch.randn(8, H)  # prefill: 8 tokens x 2 >= 16 experts: fetched whole
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(many), plain(many))
+    stats = assert_traffic_matches_plan(m)
+    assert stats.routed_fetches == 0 and stats.bytes_transferred == expert_bytes + other_bytes
+    assert "whole layers.0.experts" in describe_plan(m)
+
+
+def test_groups_split_the_experts_from_their_block():
+    from offload_compiler.grouping import plan_groups
+    names = [g.name for g in plan_groups(TinyMoE(), _policy())]
+    assert names == ["layers.0", "layers.0.experts", "layers.1", "layers.1.experts"]
