@@ -153,3 +153,18 @@ def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_
     with torch.no_grad():
         expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
         assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
+
+@pytest.mark.slow  # two inductor compiles
+def test_inductor_routes_decode_and_fetches_prefill_whole():
+    """Under inductor too: the routed op is an extern call whose result is a fresh tensor, and the prefill's
+    gathered expert weights feed bmm, which inductor may decompose (so their gather is materialized)."""
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, _policy(compiler="inductor"))
+    for tokens, routed in [(8, 0), (1, 2 * len(plain.layers))]:
+        x = torch.randn(tokens, H)
+        reset_offload_stats(m)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), plain(x))
+        assert assert_traffic_matches_plan(m).routed_fetches == routed
