@@ -76,6 +76,8 @@ def test_decode_fetches_only_routed_experts_prefill_fetches_whole():
     with torch.no_grad():
         assert torch.equal(m(one), plain(one))
     stats = assert_traffic_matches_plan(m)
+    decode_plan = m._offload_runtime.graph_plans[0]
+    assert stats.peak_resident_bytes == decode_plan.verified.streamed_peak_bytes  # the slot counted as verified
     assert 0 < stats.routed_bytes <= TOP_K / E * expert_bytes
     assert stats.bytes_transferred == other_bytes + stats.routed_bytes
     assert stats.routed_fetches == 2 * len(plain.layers)
@@ -130,18 +132,24 @@ def decode_bytes(m, ids: torch.Tensor) -> tuple[int, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, top_k", [("qwen3_moe", 2), ("qwen3_moe", 4), ("olmoe", 2), ("mixtral", 2)])
-def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_k):
+@pytest.mark.parametrize("name, top_k, compiler", [("qwen3_moe", 2, "eager"), ("qwen3_moe", 4, "eager"),
+                                                    ("olmoe", 2, "eager"), ("mixtral", 2, "eager"),
+                                                    ("qwen3_moe", 2, "inductor")])
+def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_k, compiler):
     model = _moe(name, top_k)
     plain = copy.deepcopy(model)
     expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." in n)
     other_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." not in n)
     assert expert_bytes > 0
-    m = offload_compile(model, _policy())
+    m = offload_compile(model, _policy(compiler=compiler))
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
 
     with torch.no_grad():  # prefill (12 tokens x top_k >= 16 experts): whole fetches, same logits
-        assert torch.equal(m(input_ids=ids).logits, plain(input_ids=ids).logits)
+        got, expected = m(input_ids=ids).logits, plain(input_ids=ids).logits
+    if compiler == "eager":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert "    whole model.layers.0." in describe_plan(m)
 
     moved, stats = decode_bytes(m, ids)

@@ -44,7 +44,9 @@ def route_reads(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], routed:
 
 def routed_view(node: fx.Node) -> tuple[int, int, int] | None:
     """(group, bound, expert bytes) of a ``routed`` node; None for any other node."""
-    if node.op != "call_function" or node.target is not OPS.routed.default:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or (
+            target._schema.name != "offload_compiler::routed"):  # (by name: the passes may not import `ops`)
         return None
     _, group, _, _, bound, expert_bytes = node.args
     return group, bound, expert_bytes
