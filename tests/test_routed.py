@@ -81,6 +81,7 @@ def test_decode_fetches_only_routed_experts_prefill_fetches_whole():
     assert 0 < stats.routed_bytes <= TOP_K / E * expert_bytes
     assert stats.bytes_transferred == other_bytes + stats.routed_bytes
     assert stats.routed_fetches == 2 * len(plain.layers)
+    assert stats.calls == 1 and stats.expert_bytes_per_call == stats.expert_bytes == stats.routed_bytes
     plan = describe_plan(m)
     assert f"routed layers.0.experts.gate_up_proj: at most {TOP_K} of {E} experts" in plan
     assert f"routed layers.1.experts.down_proj: at most {TOP_K} of {E} experts" in plan
@@ -91,6 +92,7 @@ def test_decode_fetches_only_routed_experts_prefill_fetches_whole():
         assert torch.equal(m(many), plain(many))
     stats = assert_traffic_matches_plan(m)
     assert stats.routed_fetches == 0 and stats.bytes_transferred == expert_bytes + other_bytes
+    assert stats.expert_bytes_per_call == expert_bytes
     assert "whole layers.0.experts" in describe_plan(m)
 
 

@@ -108,6 +108,7 @@ class OffloadRuntime:
                 watch_state_dict(module, self._state_dict_hooks)
         self.graph_plans: list = []
         self.expert_groups = frozenset(i for i, spec in enumerate(specs) if spec.experts)  # may be fetched routed
+        self.transfers.expert_groups = self.expert_groups
         self.graph_calls = 0
         self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
 
@@ -248,7 +249,7 @@ class OffloadRuntime:
         return OffloadStats(t.bytes_transferred, t.ledger.peak, t.fetch_count, t.ledger.live, resident, streamed,
                             self.total_bytes, parked, self.unmanaged_bytes, carried, t.carry_hits,
                             self.on_demand.bytes, t.disk_bytes_read, self.host.disk_bytes, t.routed_bytes,
-                            t.routed_fetches)
+                            t.routed_fetches, t.expert_bytes, sum(self.plan_calls))
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""

@@ -29,6 +29,13 @@ class OffloadStats:
     disk_bytes: int = 0  # weights whose host copy is on disk, not in host memory
     routed_bytes: int = 0  # of bytes_transferred, expert bytes moved by routed fetches (the experts routed to)
     routed_fetches: int = 0  # routed fetches run (one per expert weight read by router indices per call)
+    expert_bytes: int = 0  # of bytes_transferred, fused expert weights moved (whole fetches and routed ones)
+    calls: int = 0  # offloaded graph calls since the last reset
+
+    @property
+    def expert_bytes_per_call(self) -> float:
+        """Expert weight bytes moved per offloaded graph call (a decode step is one call)."""
+        return self.expert_bytes / self.calls if self.calls else 0.0
 
     @property
     def peak_device_weight_bytes(self) -> int:
@@ -45,8 +52,8 @@ class OffloadStats:
                     if self.on_demand_bytes else "")
         carried += (f"; {mib(self.disk_bytes)} on disk, {mib(self.disk_bytes_read)} read from it"
                     if self.disk_bytes else "")
-        carried += (f"; {mib(self.routed_bytes)} of it in {self.routed_fetches} routed expert fetches"
-                    if self.routed_fetches else "")
+        carried += (f"; experts {mib(self.expert_bytes_per_call)} per call ({mib(self.routed_bytes)} in "
+                    f"{self.routed_fetches} routed fetches)" if self.expert_bytes else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
                 f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")

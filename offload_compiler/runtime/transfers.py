@@ -81,6 +81,8 @@ class TransferEngine:
         self.carry_hits = 0
         self.routed_bytes = 0  # of bytes_transferred, moved by routed fetches (the experts the router named)
         self.routed_fetches = 0
+        self.expert_groups: frozenset[int] = frozenset()  # (set by the runtime) groups of fused expert weights
+        self.expert_bytes = 0  # of bytes_transferred, expert weights moved: whole fetches and routed ones
         self._routed_slots: dict[tuple, torch.Tensor] = {}  # (expert shape, dtype, bound) -> its fixed slot
         self.pool = DevicePool(device, streams)
         self.copier = CopyWorker() if streams is None else None  # disk reads beside compute (see `copier`)
@@ -162,6 +164,7 @@ class TransferEngine:
             self.ledger.release(bound * expert_bytes)
         self.bytes_transferred += count * expert_bytes
         self.routed_bytes += count * expert_bytes
+        self.expert_bytes += count * expert_bytes
         self.routed_fetches += 1
         return out
 
@@ -184,6 +187,8 @@ class TransferEngine:
         self.ledger.occupy(slot.nbytes)
         self.bytes_transferred += group.nbytes
         self.fetch_count += 1
+        if group.index in self.expert_groups:
+            self.expert_bytes += group.nbytes
         return slot
 
     def _copy_into(self, slot: DeviceSlot, group: Group) -> None:
@@ -488,4 +493,5 @@ class TransferEngine:
         self.carry_hits = 0
         self.routed_bytes = 0
         self.routed_fetches = 0
+        self.expert_bytes = 0
         self.ledger.reset_peak()
