@@ -178,3 +178,19 @@ def test_inductor_routes_decode_and_fetches_prefill_whole():
         with torch.no_grad():
             torch.testing.assert_close(m(x), plain(x))
         assert assert_traffic_matches_plan(m).routed_fetches == routed
+
+
+def test_routed_fetch_on_the_simulated_accelerator():
+    """On a device that is not the host (its checker enforces the stream rules): the router's indices are read
+    back to the host, the experts named copied into the device slot, and a host tensor never meets the op."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device()
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device, debug_poison=True))
+    for tokens, routed in [(1, 4), (1, 4), (8, 0)]:
+        x = torch.randn(tokens, H)
+        reset_offload_stats(m)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x.to(device)).cpu(), plain(x), atol=0, rtol=0)
+        assert assert_traffic_matches_plan(m).routed_fetches == routed
