@@ -20,7 +20,8 @@ from . import ops  # noqa: F401  (registers the transfer ops)
 from .errors import OffloadRefusal
 from .grouping import GroupSpec, plan_groups
 from .lowering import compile_for_inductor, lower_for_eager
-from .passes.analysis import collect_uses, weight_inputs
+from .passes.analysis import RoutedRead, collect_uses, routed_reads, weight_inputs
+from .passes.routed import route_reads
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
 from .passes.slots import assign_slots, pool_bytes
@@ -42,6 +43,7 @@ class GraphPlan:
     num_nodes: int
     carry_keys: frozenset[int] = frozenset()  # fetch keys carried from one call of the graph to the next
     pool_bytes: int = 0  # the device slots its streamed fetches land in (at least the streamed peak)
+    routed: tuple[RoutedRead, ...] = ()  # expert weights fetched as the experts the router named (`passes.routed`)
 
 
 def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, move: bool) -> None:
@@ -76,6 +78,12 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     """The pure part: a captured graph and its runtime's layout → the rewritten, verified graph."""
     weights = weight_inputs(gm, example_inputs, runtime.group_of)
     streamed = {g.index for g in runtime.groups if g.streamed}
+    # expert groups this graph reads only by router indices: their reads become routed fetches, outside the schedule
+    routed = routed_reads(weights, streamed, set(runtime.expert_groups)) if runtime.expert_groups else {}
+    if routed and all(b.file is None for g in routed for b in runtime.groups[g].buckets):
+        gm, weights = route_reads(gm, weights, routed, runtime.id)
+    else:
+        routed = {}
     uses, reads = collect_uses(gm, weights, streamed)
     policy = runtime.policy
     alternating = policy.strategy in COMPONENT_STRATEGIES
@@ -90,9 +98,11 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     class_of = lambda group: size_class(runtime.groups[group])  # noqa: E731
     slots = assign_slots(rewritten.graph_module, class_of)
     runtime.plan_slots(slots)
-    return rewritten.graph_module, rewritten.num_outputs, GraphPlan(schedule, verified, len(gm.graph.nodes),
-                                                                    rewritten.carry_keys,
-                                                                    pool_bytes(slots, class_of, group_bytes))
+    routed_slots = runtime.transfers.plan_routed([r for rs in routed.values() for r in rs])
+    return rewritten.graph_module, rewritten.num_outputs, GraphPlan(
+        schedule, verified, len(gm.graph.nodes), rewritten.carry_keys,
+        pool_bytes(slots, class_of, group_bytes) + routed_slots,
+        tuple(r for rs in routed.values() for r in rs))
 
 
 class RuntimeBackend:

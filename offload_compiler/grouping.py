@@ -36,6 +36,7 @@ class GroupSpec:
     streamed: bool
     is_block: bool
     exclusive: bool = False  # alternates on the device with the other exclusive groups
+    experts: bool = False  # a block's fused expert weights (`split_experts`): a graph may fetch only those routed
 
     @property
     def nbytes(self) -> int:
@@ -427,8 +428,50 @@ def _plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] 
         else:
             in_blocks.setdefault(name, (block, []))[1].append(w)
     groups = _block_groups(list(in_blocks.values()), policy.blocks_per_group)
+    if policy.strategy == "layerwise":
+        groups = split_experts(model, groups)
     groups += [GroupSpec(name, tuple(ws), True, False) for name, ws in outside.items()]
     return choose_streamed(groups, policy)
+
+
+def expert_modules(model: nn.Module) -> dict[str, int]:
+    """Modules holding fused mixture-of-experts weights (transformers 5: ``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``): a module with an int ``num_experts`` and a 3-D parameter whose first
+    dimension is that count (a router also has ``num_experts``, but a 2-D weight it reads whole). Path -> number
+    of experts."""
+    found = {}
+    for path, module in model.named_modules():
+        count = getattr(module, "num_experts", None)
+        if isinstance(count, int) and count > 1 and any(
+                p.dim() == 3 and p.shape[0] == count for p in module.parameters(recurse=False)):
+            found[path] = count
+    return found
+
+
+def split_experts(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
+    """Under layerwise, a block's expert weights form a group of their own right after the block's group: a
+    graph that reads them only by router indices can then fetch the experts named instead of the block's
+    every expert (`passes.analysis.routed_reads`), while the rest of the block streams as before; a graph that
+    reads them whole (prefill) fetches both groups, the same bytes as one block group."""
+    experts = expert_modules(model)
+    if not experts:
+        return groups
+    out: list[GroupSpec] = []
+    for group in groups:
+        split: dict[str, list[Weight]] = {}
+        rest = []
+        for w in group.weights:
+            owner = _owner(w.name)
+            if owner in experts and w.tensor.dim() >= 2 and w.tensor.shape[0] == experts[owner]:
+                split.setdefault(owner, []).append(w)
+            else:
+                rest.append(w)
+        if not split or not rest:
+            out.append(group)
+            continue
+        out.append(dataclasses.replace(group, weights=tuple(rest)))
+        out += [GroupSpec(path, tuple(ws), group.streamed, True, group.exclusive, experts=True) for path, ws in split.items()]
+    return out
 
 
 # -- what a plan saves, known before anything runs -------------------------------------------------------------

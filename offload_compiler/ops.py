@@ -96,6 +96,25 @@ _define("resident(int runtime, int group) -> Tensor[]", resident, _fake_buffers)
 _define("transfer(int runtime, int plan, Tensor[] deps) -> Tensor[]", transfer, _fake_leaves)
 
 
+def routed(runtime: int, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int) -> torch.Tensor:
+    """``weight[ids]`` for an expert weight read by router indices (`passes.routed`): only the experts ``ids``
+    names are copied, into a fixed slot of ``bound`` experts, and gathered from there. A fresh tensor, as the
+    index it replaces made: nothing reads the slot after the op returns."""
+    return runtime_by_id(runtime).routed(group, slot, ids, bound, expert_bytes)
+
+
+def _fake_routed(runtime: int, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int
+                 ) -> torch.Tensor:
+    rt = runtime_by_id(runtime)
+    leaf = rt.groups[group].slots[slot].leaves[0]
+    dtype = rt.groups[group].buckets[leaf.bucket].dtype
+    return ids.new_empty((ids.shape[0], *leaf.shape[1:]), dtype=dtype, device=rt.device)
+
+
+_define("routed(int runtime, int group, int slot, Tensor ids, int bound, int expert_bytes) -> Tensor", routed,
+        _fake_routed)
+
+
 def materialize(value: torch.Tensor) -> torch.Tensor:
     """A copy of a weight reader's value, placed right after the reader; later nodes use the copy, and the
     weight's evict follows it. Inductor lowers in graph order and may otherwise re-compute a pointwise reader

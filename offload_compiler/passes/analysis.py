@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import OffloadRefusal
 from ..host_masters import host_of
-from ..subclasses import plain_leaves
+from ..subclasses import is_traceable_subclass, plain_leaves
 from .schedule import Use
 
 
@@ -187,3 +187,69 @@ def collect_uses(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], stream
         end = max([position[user]] + [position[leaf] for r in rs for leaf in r.leaves])
         uses.append(Use(group, position[user], end, key=(user, group)))
     return uses, reads
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedRead:
+    """A read of an expert weight ``w[ids]`` by router indices (transformers' ``batched_mm`` experts): the
+    graph needs only the experts ``ids`` names, at most ``bound`` of the weight's ``experts`` (the index's
+    element count, fixed by the graph's shapes, capped at the expert count)."""
+    node: fx.Node
+    ids: fx.Node
+    group: int
+    slot: int
+    name: str
+    experts: int
+    bound: int
+    expert_bytes: int  # one expert's bytes of this weight
+
+    @property
+    def bound_bytes(self) -> int:
+        return self.bound * self.expert_bytes
+
+
+def _router_index(node: fx.Node, placeholder: fx.Node) -> fx.Node | None:
+    """The index of ``w[ids]`` when ``node`` is one: a 1-D integer tensor computed by the graph (data-dependent,
+    not a constant), picking whole experts along the weight's first dimension."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return None
+    source, index = node.args
+    if source is not placeholder or not isinstance(index, fx.Node):
+        return None
+    value = _value(index)
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32):
+        return None
+    return index
+
+
+def routed_reads(weights: dict[fx.Node, WeightInput], streamed: set[int], routable: set[int]
+                 ) -> dict[int, list[RoutedRead]]:
+    """The streamed groups of ``routable`` (groups of expert weights) that this graph reads only through
+    router indices, with a bound below their expert count: group -> its reads. A group read whole anywhere
+    (the ``eager`` or ``grouped_mm`` experts, an index of symbolic size) or whose bound is all its experts
+    (prefill: tokens x top_k >= E) is left out: it is fetched whole, as any group."""
+    found: dict[int, list[RoutedRead]] = {}
+    whole: set[int] = set()
+    for placeholder, w in weights.items():
+        if w.group not in streamed or w.group not in routable:
+            continue
+        value = _value(placeholder)
+        users = list(placeholder.users)
+        if not isinstance(value, torch.Tensor) or is_traceable_subclass(value) or value.dim() < 2:
+            whole.add(w.group)
+            continue
+        for user in users:
+            ids = _router_index(user, placeholder)
+            numel = _value(ids).shape[0] if ids is not None else None
+            if ids is None or not isinstance(numel, int):
+                whole.add(w.group)
+                break
+            experts = value.shape[0]
+            bound = min(numel, experts)
+            if bound >= experts:
+                whole.add(w.group)
+                break
+            expert_bytes = value[0].numel() * value.element_size()
+            found.setdefault(w.group, []).append(
+                RoutedRead(user, ids, w.group, w.slot, w.name, experts, bound, expert_bytes))
+    return {g: rs for g, rs in found.items() if g not in whole}

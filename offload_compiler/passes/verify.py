@@ -13,6 +13,7 @@ import torch.fx as fx
 from ..subclasses import plain_leaves
 from .analysis import WeightInput, _storage, _value, readers
 from .nodes import Evict, Prefetch, Resident, fetch_of, transfer_view
+from .routed import routed_view
 from .schedule import ADOPT, CARRY
 
 OPS = torch.ops.offload_compiler
@@ -28,6 +29,10 @@ class Verified:
     resident_bytes: int
     fetches: int
     carried_bytes: int = 0  # prefetched for the next call: on the device between calls
+    # routed fetches (`passes.routed`): how many per call, and the most bytes they can move per call (each moves
+    # a data-dependent subset of its weight's experts, at most its slot's)
+    routed_fetches: int = 0
+    routed_bound_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -90,8 +95,17 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
     if carried != sum(group_bytes[p.group] for p in prefetches if p.mode == ADOPT):
         raise ScheduleError("the copies this graph carries to its next call are not the ones it starts with")
     live = peak = carried  # in steady state the previous call's carried copies are alive at the start
-    resident = fetches = 0
-    for view in transfers:
+    resident = fetches = routed = routed_bound = 0
+    for node in nodes:
+        view = transfer_view(node)
+        if view is None:
+            found = routed_view(node)
+            if found is not None:  # its slot holds the experts named only while the op runs
+                _, bound, expert_bytes = found
+                peak = max(peak, live + bound * expert_bytes)
+                routed += 1
+                routed_bound += bound * expert_bytes
+            continue
         if isinstance(view, Prefetch):
             if view.mode != ADOPT:
                 live += group_bytes[view.group]
@@ -101,4 +115,4 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
             live -= group_bytes[view.group]
         elif isinstance(view, Resident):
             resident += group_bytes[view.group]
-    return Verified(peak, resident, fetches, carried)
+    return Verified(peak, resident, fetches, carried, routed, routed_bound)

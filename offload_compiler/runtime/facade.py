@@ -107,6 +107,8 @@ class OffloadRuntime:
             for module in model.modules():
                 watch_state_dict(module, self._state_dict_hooks)
         self.graph_plans: list = []
+        self.expert_groups = frozenset(i for i, spec in enumerate(specs) if spec.experts)  # may be fetched routed
+        self.transfers.expert_groups = self.expert_groups
         self.graph_calls = 0
         self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
 
@@ -123,6 +125,7 @@ class OffloadRuntime:
         t = self.transfers
         self.prefetch, self.wait, self.wait_weights, self.evict = t.prefetch, t.wait, t.wait_weights, t.evict
         self.resident, self.resident_weights, self.run_transfer = t.resident, t.resident_weights, t.run_transfer
+        self.routed = t.routed
         self.actual_group = t.actual_group  # a subclass weight's rebuild, eagerly once per call
         register(self)
 
@@ -245,7 +248,8 @@ class OffloadRuntime:
         streamed = sum(g.nbytes for g in self.groups if g.streamed)
         return OffloadStats(t.bytes_transferred, t.ledger.peak, t.fetch_count, t.ledger.live, resident, streamed,
                             self.total_bytes, parked, self.unmanaged_bytes, carried, t.carry_hits,
-                            self.on_demand.bytes, t.disk_bytes_read, self.host.disk_bytes)
+                            self.on_demand.bytes, t.disk_bytes_read, self.host.disk_bytes, t.routed_bytes,
+                            t.routed_fetches, t.expert_bytes, sum(self.plan_calls))
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""

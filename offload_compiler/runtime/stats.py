@@ -27,6 +27,15 @@ class OffloadStats:
     on_demand_bytes: int = 0  # weights read outside an offloaded graph, each op's copy fetched for it alone
     disk_bytes_read: int = 0  # of bytes_transferred, read from the disk tier's files (host_budget_gb)
     disk_bytes: int = 0  # weights whose host copy is on disk, not in host memory
+    routed_bytes: int = 0  # of bytes_transferred, expert bytes moved by routed fetches (the experts routed to)
+    routed_fetches: int = 0  # routed fetches run (one per expert weight read by router indices per call)
+    expert_bytes: int = 0  # of bytes_transferred, fused expert weights moved (whole fetches and routed ones)
+    calls: int = 0  # offloaded graph calls since the last reset
+
+    @property
+    def expert_bytes_per_call(self) -> float:
+        """Expert weight bytes moved per offloaded graph call (a decode step is one call)."""
+        return self.expert_bytes / self.calls if self.calls else 0.0
 
     @property
     def peak_device_weight_bytes(self) -> int:
@@ -43,6 +52,8 @@ class OffloadStats:
                     if self.on_demand_bytes else "")
         carried += (f"; {mib(self.disk_bytes)} on disk, {mib(self.disk_bytes_read)} read from it"
                     if self.disk_bytes else "")
+        carried += (f"; experts {mib(self.expert_bytes_per_call)} per call ({mib(self.routed_bytes)} in "
+                    f"{self.routed_fetches} routed fetches)" if self.expert_bytes else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
                 f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
@@ -65,9 +76,11 @@ def describe(runtime) -> str:
     for i, plan in enumerate(runtime.graph_plans):
         v = plan.verified
         carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
-        lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches per call, "
+        routed = f" + {v.routed_fetches} routed (at most {mib(v.routed_bound_bytes)})" if v.routed_fetches else ""
+        lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches{routed} per call, "
                      f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
                      f"{mib(v.streamed_peak_bytes)} streamed{carried}); device slots {mib(plan.pool_bytes)}")
+        lines += _expert_lines(runtime, plan)
     pool = runtime.pool
     if pool.slots:
         lines.append(f"  device pool {mib(pool.nbytes)}: "
@@ -81,6 +94,23 @@ def describe(runtime) -> str:
         lines.append(f"  host tier {mib(host)} in host memory (host_budget_gb={policy.host_budget_gb:g}), disk tier "
                      f"{mib(disk)} in files under {policy.disk_dir}, read at each of their fetches")
     return "\n".join(lines)
+
+
+def _expert_lines(runtime, plan) -> list[str]:
+    """For `describe`: how a graph fetches each expert group it reads: routed (the experts the router names, at
+    most the bound its shapes allow) or whole (the bound is every expert, or the experts are not read by router
+    indices)."""
+    lines = []
+    for r in plan.routed:
+        name = runtime.groups[r.group].slots[r.slot].name  # (as compiled: a remapped call reads another layer's)
+        lines.append(f"    routed {name}: at most {r.bound} of {r.experts} experts per call "
+                     f"({readable_bytes(r.bound_bytes)} slot, {readable_bytes(r.expert_bytes)} per expert)")
+    routed = {r.group for r in plan.routed}
+    whole = sorted({i.group for i in plan.schedule.instances if i.group in runtime.expert_groups} - routed)
+    for group in whole:
+        lines.append(f"    whole {runtime.groups[group].name}: all experts fetched (bound is every expert, or read "
+                     f"other than by router indices)")
+    return lines
 
 
 def readable_bytes(nbytes: int) -> str:

@@ -79,6 +79,11 @@ class TransferEngine:
         self.disk_bytes_read = 0  # of it, read from the disk tier's files
         self.fetch_count = 0
         self.carry_hits = 0
+        self.routed_bytes = 0  # of bytes_transferred, moved by routed fetches (the experts the router named)
+        self.routed_fetches = 0
+        self.expert_groups: frozenset[int] = frozenset()  # (set by the runtime) groups of fused expert weights
+        self.expert_bytes = 0  # of bytes_transferred, expert weights moved: whole fetches and routed ones
+        self._routed_slots: dict[tuple, torch.Tensor] = {}  # (expert shape, dtype, bound) -> its fixed slot
         self.pool = DevicePool(device, streams)
         self.copier = CopyWorker() if streams is None else None  # disk reads beside compute (see `copier`)
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
@@ -115,6 +120,54 @@ class TransferEngine:
             self._transfer_plans.append(plan)
         return index
 
+    def plan_routed(self, reads) -> int:
+        """The fixed slots of a graph's routed fetches (`passes.routed`), made now; returns their bytes. Reads
+        of one expert shape, dtype and bound share a slot: each read holds it only while its op runs."""
+        keys = {}
+        for r in reads:
+            group = self.groups[r.group]
+            leaf = group.slots[r.slot].leaves[0]
+            key = (tuple(leaf.shape[1:]), group.buckets[leaf.bucket].dtype, r.bound)
+            if key not in self._routed_slots:
+                self._routed_slots[key] = torch.empty((r.bound, *key[0]), dtype=key[1], device=self.device)
+            keys[key] = r.bound_bytes
+        return sum(keys.values())
+
+    def routed(self, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int) -> torch.Tensor:
+        """``weight[ids]`` for an expert weight read by router indices: the distinct experts ``ids`` names (at
+        most ``bound``, the planned slot's size) are copied from the host into the slot, and the result is
+        gathered from there with the indices remapped to the slot's rows. The copy is synchronous: the op's
+        result is all the graph reads, so the slot is free again when the op returns."""
+        group = self.actual_group(group)
+        g = self.groups[group]
+        if not g.packed:
+            self.host.pack(g)
+        self.host.refresh(g)
+        if self._faults:
+            self._maybe_fail("fetch", group)
+        self.used_groups.add(group)
+        leaf = g.slots[slot].leaves[0]
+        host = leaf.host_view(g.buckets[leaf.bucket].source())
+        # the indices are the router's, on the device: the copy must know them on the host (one small read)
+        experts, rows = torch.unique(ids.to("cpu"), return_inverse=True)
+        count = experts.numel()
+        if count > bound or expert_bytes != host[0].numel() * host.element_size():
+            raise AssertionError(f"routed fetch of {g.slots[slot].name}: {count} experts named, slot for {bound}")
+        buffer = self._routed_slots[(tuple(leaf.shape[1:]), host.dtype, bound)]
+        self.ledger.occupy(bound * expert_bytes)
+        try:
+            buffer[:count].copy_(host.index_select(0, experts))
+            out = buffer[rows.to(buffer.device)]
+        finally:
+            if self.debug_poison and buffer.is_floating_point():
+                buffer.fill_(float("nan"))  # a read of the slot after the op shows as NaN
+            self.ledger.release(bound * expert_bytes)
+        self.bytes_transferred += count * expert_bytes
+        self.routed_bytes += count * expert_bytes
+        self.expert_bytes += count * expert_bytes
+        self.routed_fetches += 1
+        return out
+
     def transfer_group(self, plan: int) -> int:
         """The group whose leaves `run_transfer` returns for ``plan`` (as compiled: before any remap)."""
         return self._transfer_plans[plan].group
@@ -134,6 +187,8 @@ class TransferEngine:
         self.ledger.occupy(slot.nbytes)
         self.bytes_transferred += group.nbytes
         self.fetch_count += 1
+        if group.index in self.expert_groups:
+            self.expert_bytes += group.nbytes
         return slot
 
     def _copy_into(self, slot: DeviceSlot, group: Group) -> None:
@@ -422,6 +477,7 @@ class TransferEngine:
         self.release_resident()
         self.pool.clear()
         self._slot_of.clear()
+        self._routed_slots.clear()
 
     # -- what the stats read ------------------------------------------------------------------------
     def held_bytes(self) -> tuple[int, int, int]:
@@ -435,4 +491,7 @@ class TransferEngine:
         self.disk_bytes_read = 0
         self.fetch_count = 0
         self.carry_hits = 0
+        self.routed_bytes = 0
+        self.routed_fetches = 0
+        self.expert_bytes = 0
         self.ledger.reset_peak()

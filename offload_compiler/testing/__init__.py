@@ -166,14 +166,35 @@ def planned_traffic(offloaded: Any, resident_filled: bool = False) -> tuple[int,
     return moved, fetches
 
 
+def planned_routed(offloaded: Any) -> tuple[int, int]:
+    """(routed fetches, the most bytes they may move) that the verified plans allow the calls since the last
+    `reset_offload_stats`: a routed fetch moves the experts its router named, a data-dependent subset bounded
+    by its slot (`passes.routed`)."""
+    runtime = state_of(offloaded).runtime
+    fetches = bound = 0
+    for plan, calls in zip(runtime.graph_plans, runtime.plan_calls):
+        fetches += calls * plan.verified.routed_fetches
+        bound += calls * plan.verified.routed_bound_bytes
+    return fetches, bound
+
+
 def assert_traffic_matches_plan(offloaded: Any, resident_filled: bool = False) -> OffloadStats:
     """The ledger's bytes and fetches since the last `reset_offload_stats` equal `planned_traffic`: offloading
-    happened, and exactly as planned (no group read from host memory, none fetched twice)."""
+    happened, and exactly as planned (no group read from host memory, none fetched twice). Routed expert
+    fetches are counted apart: exactly as many as planned, each moving at least one expert and their bytes
+    within the plans' bound (`planned_routed`)."""
     stats = offload_stats(offloaded)
     moved, fetches = planned_traffic(offloaded, resident_filled)
+    routed_fetches, routed_bound = planned_routed(offloaded)
     assert any(state_of(offloaded).runtime.plan_calls), "no offloaded graph ran since the last reset_offload_stats"
-    assert (stats.bytes_transferred, stats.fetch_count) == (moved, fetches), (
-        f"moved {stats.bytes_transferred} B in {stats.fetch_count} fetches; the plans say {moved} B in {fetches}")
+    whole = stats.bytes_transferred - stats.routed_bytes
+    assert (whole, stats.fetch_count) == (moved, fetches), (
+        f"moved {whole} B in {stats.fetch_count} whole fetches; the plans say {moved} B in {fetches}")
+    assert stats.routed_fetches == routed_fetches, (
+        f"{stats.routed_fetches} routed fetches ran; the plans say {routed_fetches}")
+    assert stats.routed_bytes <= routed_bound, (
+        f"routed fetches moved {stats.routed_bytes} B, above the plans' bound of {routed_bound} B")
+    assert (stats.routed_bytes > 0) == (routed_fetches > 0), "routed fetches ran but moved nothing"
     return stats
 
 

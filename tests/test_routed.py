@@ -1,0 +1,196 @@
+"""Routed fetch (issue 27): an expert weight read only by router indices (transformers' ``batched_mm`` experts)
+moves the experts the router named, bounded by a slot sized from the graph's shapes; a graph whose bound is
+every expert (prefill) fetches them whole. Outputs equal the plain model's and the traffic is checked against
+the plan's bound."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_compiler import OffloadPolicy, offload_compile
+from offload_compiler.api import describe_plan, offload_stats, reset_offload_stats
+from offload_compiler.testing import assert_traffic_matches_plan
+
+E, TOP_K, H, I = 16, 2, 32, 16
+
+
+class Experts(nn.Module):
+    """Fused experts as transformers 5 keeps them, computed as its ``batched_mm`` implementation does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H) / H ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I) / I ** 0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        ids = top_k_index.reshape(-1)
+        xs = x.repeat_interleave(TOP_K, dim=0)
+        gate, up = torch.bmm(self.gate_up_proj[ids], xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(self.down_proj[ids], (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (out * top_k_weights.reshape(-1, 1)).view(x.shape[0], TOP_K, H).sum(1)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = Experts()
+
+    def forward(self, x):
+        x = x + self.proj(x)
+        weights, index = torch.topk(self.router(x).softmax(-1), TOP_K, dim=-1)
+        return x + self.experts(x, index, weights)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _policy(**kw):
+    return OffloadPolicy(strategy="layerwise", device="cpu", debug_poison=True, **kw)
+
+
+def test_decode_fetches_only_routed_experts_prefill_fetches_whole():
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, _policy())
+    expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if "experts" in n)
+    other_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if "experts" not in n)
+
+    one = torch.randn(1, H)  # decode: 1 token x top_k 2 = 2 of 16 experts at most
+    with torch.no_grad():
+        assert torch.equal(m(one), plain(one))
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(one), plain(one))
+    stats = assert_traffic_matches_plan(m)
+    decode_plan = m._offload_runtime.graph_plans[0]
+    assert stats.peak_resident_bytes == decode_plan.verified.streamed_peak_bytes  # the slot counted as verified
+    assert 0 < stats.routed_bytes <= TOP_K / E * expert_bytes
+    assert stats.bytes_transferred == other_bytes + stats.routed_bytes
+    assert stats.routed_fetches == 2 * len(plain.layers)
+    assert stats.calls == 1 and stats.expert_bytes_per_call == stats.expert_bytes == stats.routed_bytes
+    plan = describe_plan(m)
+    assert f"routed layers.0.experts.gate_up_proj: at most {TOP_K} of {E} experts" in plan
+    assert f"routed layers.1.experts.down_proj: at most {TOP_K} of {E} experts" in plan
+
+    many = torch.randn(8, H)  # prefill: 8 tokens x 2 >= 16 experts: fetched whole
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(many), plain(many))
+    stats = assert_traffic_matches_plan(m)
+    assert stats.routed_fetches == 0 and stats.bytes_transferred == expert_bytes + other_bytes
+    assert stats.expert_bytes_per_call == expert_bytes
+    assert "whole layers.0.experts" in describe_plan(m)
+
+
+def test_groups_split_the_experts_from_their_block():
+    from offload_compiler.grouping import plan_groups
+    names = [g.name for g in plan_groups(TinyMoE(), _policy())]
+    assert names == ["layers.0", "layers.0.experts", "layers.1", "layers.1.experts"]
+
+
+_LM = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+           max_position_embeddings=128)
+# tiny random-weight MoE decoders, 16 experts: (config class, model class, fields naming the experts and top_k)
+MOE_MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  lambda k: dict(head_dim=16, num_experts=16, num_experts_per_tok=k, moe_intermediate_size=32,
+                                 decoder_sparse_step=1)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", lambda k: dict(num_experts=16, num_experts_per_tok=k)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", lambda k: dict(num_local_experts=16, num_experts_per_tok=k)),
+}
+
+
+def _moe(name: str, top_k: int, layers: int = 2):
+    transformers = pytest.importorskip("transformers")
+    config_class, model_class, fields = MOE_MODELS[name]
+    config = getattr(transformers, config_class)(**_LM, num_hidden_layers=layers, **fields(top_k))
+    config._experts_implementation = "batched_mm"  # experts gathered by router indices: what routes
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def decode_bytes(m, ids: torch.Tensor) -> tuple[int, object]:
+    """Bytes one decode token moves (batch 1, after a prefill of ``ids``), and the stats of that call."""
+    with torch.no_grad():
+        out = m(input_ids=ids, use_cache=True)
+        reset_offload_stats(m)
+        m(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+    stats = assert_traffic_matches_plan(m)
+    return stats.bytes_transferred, stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, top_k, compiler", [("qwen3_moe", 2, "eager"), ("qwen3_moe", 4, "eager"),
+                                                    ("olmoe", 2, "eager"), ("mixtral", 2, "eager"),
+                                                    ("qwen3_moe", 2, "inductor")])
+def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_k, compiler):
+    model = _moe(name, top_k)
+    plain = copy.deepcopy(model)
+    expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." in n)
+    other_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." not in n)
+    assert expert_bytes > 0
+    m = offload_compile(model, _policy(compiler=compiler))
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+
+    with torch.no_grad():  # prefill (12 tokens x top_k >= 16 experts): whole fetches, same logits
+        got, expected = m(input_ids=ids).logits, plain(input_ids=ids).logits
+    if compiler == "eager":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert "    whole model.layers.0." in describe_plan(m)
+
+    moved, stats = decode_bytes(m, ids)
+    target = other_bytes + top_k / 16 * expert_bytes
+    assert moved <= 1.1 * target, f"decode moved {moved} B per token, target {target:.0f} B"
+    assert stats.routed_fetches == 2 * 2 and 0 < stats.routed_bytes <= top_k / 16 * expert_bytes
+    assert f"at most {top_k} of 16 experts per call" in describe_plan(m)
+
+    with torch.no_grad():
+        expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
+
+@pytest.mark.slow  # two inductor compiles
+def test_inductor_routes_decode_and_fetches_prefill_whole():
+    """Under inductor too: the routed op is an extern call whose result is a fresh tensor, and the prefill's
+    gathered expert weights feed bmm, which inductor may decompose (so their gather is materialized)."""
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, _policy(compiler="inductor"))
+    for tokens, routed in [(8, 0), (1, 2 * len(plain.layers))]:
+        x = torch.randn(tokens, H)
+        reset_offload_stats(m)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), plain(x))
+        assert assert_traffic_matches_plan(m).routed_fetches == routed
+
+
+def test_routed_fetch_on_the_simulated_accelerator():
+    """On a device that is not the host (its checker enforces the stream rules): the router's indices are read
+    back to the host, the experts named copied into the device slot, and a host tensor never meets the op."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device()
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device, debug_poison=True))
+    for tokens, routed in [(1, 4), (1, 4), (8, 0)]:
+        x = torch.randn(tokens, H)
+        reset_offload_stats(m)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x.to(device)).cpu(), plain(x), atol=0, rtol=0)
+        assert assert_traffic_matches_plan(m).routed_fetches == routed
