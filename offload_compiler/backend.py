@@ -80,10 +80,8 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     streamed = {g.index for g in runtime.groups if g.streamed}
     # expert groups this graph reads only by router indices: their reads become routed fetches, outside the schedule
     routed = routed_reads(weights, streamed, set(runtime.expert_groups)) if runtime.expert_groups else {}
-    if routed and all(b.file is None for g in routed for b in runtime.groups[g].buckets):
+    if routed:
         gm, weights = route_reads(gm, weights, routed, runtime.id)
-    else:
-        routed = {}
     uses, reads = collect_uses(gm, weights, streamed)
     policy = runtime.policy
     alternating = policy.strategy in COMPONENT_STRATEGIES

@@ -194,3 +194,33 @@ def test_routed_fetch_on_the_simulated_accelerator():
         with torch.no_grad():
             torch.testing.assert_close(m(x.to(device)).cpu(), plain(x), atol=0, rtol=0)
         assert assert_traffic_matches_plan(m).routed_fetches == routed
+
+
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+def test_routed_experts_on_disk_are_read_expert_by_expert(tmp_path, from_checkpoint):
+    """With the expert groups on disk (host_budget_gb), a decode step reads only the named experts' bytes from
+    the file (a group in its own file, or the checkpoint's own extents), never the whole group."""
+    from safetensors.torch import save_file
+    from offload_compiler import empty_weights
+    plain = TinyMoE()
+    expert_group = sum(p.numel() * 4 for n, p in plain.layers[0].named_parameters() if "experts" in n)
+    budget = sum(p.numel() * 4 for p in plain.parameters()) - 2 * expert_group  # both expert groups on disk
+    policy = _policy(host_budget_gb=budget / 2**30, disk_dir=str(tmp_path))
+    if from_checkpoint:
+        save_file(plain.state_dict(), str(tmp_path / "moe.safetensors"))
+        with empty_weights():
+            model = TinyMoE()
+        m = offload_compile(model, policy, checkpoint=tmp_path / "moe.safetensors")
+    else:
+        m = offload_compile(copy.deepcopy(plain), policy)
+    runtime = m._offload_runtime
+    assert sorted(g.name for g in runtime.groups if g.on_disk) == ["layers.0.experts", "layers.1.experts"]
+    one = torch.randn(1, H)
+    with torch.no_grad():
+        assert torch.equal(m(one), plain(one))
+        reset_offload_stats(m)
+        assert torch.equal(m(one), plain(one))
+    stats = offload_stats(m)
+    per_expert = (2 * I * H + H * I) * 4
+    assert stats.disk_bytes_read == stats.routed_bytes <= 2 * TOP_K * per_expert  # 2 layers x top_k experts
+    assert stats.routed_bytes > 0

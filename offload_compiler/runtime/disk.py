@@ -66,6 +66,12 @@ class DiskFile:
         if hasattr(self, "unlinked"):  # (not when the file could not be made)
             self.close()
 
+    def read_range(self, offset: int, target: torch.Tensor) -> None:
+        """Bytes of the bucket from ``offset`` into ``target`` (contiguous, host), its pages dropped after."""
+        view = _memory(target)
+        _read(self.fd, view, offset, self.path)
+        _drop_pages(self.fd, offset, len(view))
+
     def close(self) -> None:
         """Close the file; a file never mapped (loading failed before) is removed too."""
         if self.fd >= 0:
@@ -94,11 +100,26 @@ class CheckpointExtents:
         """Each extent into its place in ``target`` (a contiguous host tensor of the bucket's size)."""
         view = _memory(target)
         for path, start, nbytes, at in self.extents:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            fd = self._fd(path)
             _read(fd, view[at:at + nbytes], start, path)
             _drop_pages(fd, start, nbytes)
+
+    def read_range(self, offset: int, target: torch.Tensor) -> None:
+        """Bytes of the bucket from ``offset`` into ``target`` (contiguous, host): from the extent holding them."""
+        view = _memory(target)
+        for path, start, nbytes, at in self.extents:
+            if at <= offset and offset + len(view) <= at + nbytes:
+                fd = self._fd(path)
+                _read(fd, view, start + offset - at, path)
+                _drop_pages(fd, start + offset - at, len(view))
+                return
+        raise ValueError(f"bytes {offset}..{offset + len(view)} of a bucket span more than one checkpoint extent")
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
 
     def close(self) -> None:
         for fd in self._fds.values():

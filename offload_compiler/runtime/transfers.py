@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,15 @@ class Carried:
     group: int
     stamp: tuple  # the group's host weights when copied: a changed weight makes the copy stale
     slot: DeviceSlot
+
+
+def _read_experts(file, leaf, experts: list[int], expert_bytes: int) -> torch.Tensor:
+    """Rows ``experts`` of an expert weight whose bucket is on disk, read from its file into host memory."""
+    rows = torch.empty((len(experts), *leaf.shape[1:]), dtype=leaf.value.dtype)
+    start = leaf.offset * rows.element_size()
+    for i, expert in enumerate(experts):
+        file.read_range(start + expert * expert_bytes, rows[i])
+    return rows
 
 
 def _copy_group(buffers: list[torch.Tensor], group: Group) -> None:
@@ -147,16 +157,21 @@ class TransferEngine:
             self._maybe_fail("fetch", group)
         self.used_groups.add(group)
         leaf = g.slots[slot].leaves[0]
-        host = leaf.host_view(g.buckets[leaf.bucket].source())
+        bucket = g.buckets[leaf.bucket]
+        dtype = bucket.dtype
         # the indices are the router's, on the device: the copy must know them on the host (one small read)
         experts, rows = torch.unique(ids.to("cpu"), return_inverse=True)
         count = experts.numel()
-        if count > bound or expert_bytes != host[0].numel() * host.element_size():
+        if count > bound or expert_bytes != math.prod(leaf.shape[1:]) * dtype.itemsize:
             raise AssertionError(f"routed fetch of {g.slots[slot].name}: {count} experts named, slot for {bound}")
-        buffer = self._routed_slots[(tuple(leaf.shape[1:]), host.dtype, bound)]
+        buffer = self._routed_slots[(tuple(leaf.shape[1:]), dtype, bound)]
         self.ledger.occupy(bound * expert_bytes)
         try:
-            buffer[:count].copy_(host.index_select(0, experts))
+            if bucket.file is not None:  # on disk: read just those experts' bytes (its file, past the page cache)
+                buffer[:count].copy_(_read_experts(bucket.file, leaf, experts.tolist(), expert_bytes))
+                self.disk_bytes_read += count * expert_bytes
+            else:
+                buffer[:count].copy_(leaf.host_view(bucket.source()).index_select(0, experts))
             out = buffer[rows.to(buffer.device)]
         finally:
             if self.debug_poison and buffer.is_floating_point():
