@@ -109,6 +109,8 @@ class HostMaster(torch.Tensor):
             master.host = _fakifiable(new.detach().to(master.host.device))  # repacked before the next copy
             torch.autograd.graph.increment_version(master.host)
             return None
+        if func in _HOST_SIDE and isinstance(args[0], HostMaster) and args[0].device == args[0].host.device:
+            return _on_host(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -133,6 +135,20 @@ class HostMaster(torch.Tensor):
                 return first
         args, kwargs = tree_map(lambda a: _counted(a) if isinstance(a, HostMaster) else a, (args, kwargs))
         return func(*args, **kwargs)
+
+
+# Where the compute device is the host (``cpu``), ``.cpu()`` and ``.to("cpu")`` return the tensor itself, and
+# ``numpy``/``tolist`` refuse subclasses: for a master they are the host bytes, as on an accelerator (a copy there).
+_HOST_SIDE = frozenset({torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, torch.Tensor.tolist})
+
+
+def _on_host(func, args: tuple, kwargs: dict):
+    master = args[0]
+    if func in (torch.Tensor.cpu, torch.Tensor.to):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        return master.host if out is master else out
+    return func(master.host, *args[1:], **kwargs)
 
 
 def _fakifiable(host: torch.Tensor) -> torch.Tensor:

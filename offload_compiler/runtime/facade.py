@@ -90,7 +90,7 @@ class OffloadRuntime:
         self.on_demand = on_demand or OnDemand()
         self.on_demand.before_write = weakref.WeakMethod(self.wait_for_copies)
         self._state_dict_hooks: dict[int, tuple] = {}  # module id -> (module ref, handle)
-        if model is not None and is_accelerator(self.device):
+        if model is not None:
             for module in model.modules():
                 watch_state_dict(module, self._state_dict_hooks)
         self.graph_plans: list = []
