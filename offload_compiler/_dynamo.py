@@ -1,8 +1,6 @@
 """Every use of dynamo's private surface, in one place: what a torch upgrade may break is here and nowhere else.
 
 - `compiled_module_of`: the module inside a ``torch.compile`` wrapper (``OptimizedModule``).
-- `skipped_frames`: how many frames dynamo has run without a graph (a graph break inside a loop, the
-  recompile limit), so an offloaded call can notice that part of its model ran eagerly.
 - `model_error`: the model's own exception under dynamo's ``TorchRuntimeError`` wrapper.
 - `compiled_models`: the modules inside the live ``torch.compile`` wrappers (the backend route finds its model
   among them by the identity of the graph's weights).
@@ -12,8 +10,7 @@
   per patch object): raised recompile limits, and logging calls traced as no-ops.
 - `compile_under_config`, `config_for_call`: ``torch.compile`` of an offloaded call's function with
   `capture_config` in force only while dynamo compiles one of its frames (nothing entered on a steady call).
-- `graph_breaks`, `graph_breaks_since`: the reasons of the graph breaks of one call, for an error that follows
-  from one.
+- `short_reason`: dynamo's graph-break report, short (auto's capture names the break that stops it).
 - `constant_while_tracing`, `inlined_only`, `guards_only_on`: a routed part traced into by our captures (a
   per-thread depth read as a constant of the graph), run as plain Python where called from a frame dynamo
   runs without a graph, and guarded by its identity alone.
@@ -35,7 +32,6 @@ from torch import nn
 from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import TorchDynamoException
-from torch._dynamo.utils import counters
 
 from .errors import OffloadRefusal
 
@@ -46,22 +42,6 @@ RECOMPILE_LIMIT = 4096  # every offloaded model of one class is a cache entry of
 def compiled_module_of(obj: Any) -> Any:
     """``torch.compile(model)`` returns a wrapper; the state lives on the model inside it."""
     return obj._orig_mod if isinstance(obj, OptimizedModule) else obj
-
-
-def skipped_frames() -> int:
-    frames = counters["frames"]
-    return frames["total"] - frames["ok"]
-
-
-def graph_breaks() -> dict[str, int]:
-    """How often dynamo met each graph-break reason so far (compare with `graph_breaks_since`)."""
-    return dict(counters["graph_break"])
-
-
-def graph_breaks_since(before: dict[str, int]) -> list[str]:
-    """Each graph-break reason dynamo met since ``before``, short (`short_reason`)."""
-    return [short_reason(reason) for reason, count in counters["graph_break"].items()
-            if count > before.get(reason, 0)]
 
 
 def short_reason(text: str) -> str:

@@ -240,4 +240,4 @@ class OffloadRuntime:
     def reset_stats(self) -> None:
         self.plan_calls = [0] * len(self.plan_calls)
         self.transfers.reset_counters()
-        self.on_demand.bytes = self.on_demand.ops = 0
+        self.on_demand.reset()
