@@ -183,3 +183,28 @@ def test_qwen25_omni_thinker_audio_tower_streams_under_layerwise(compiler):
         torch.testing.assert_close(g, e, atol=0 if compiler == "eager" else 1e-5,
                                    rtol=0 if compiler == "eager" else 1e-4)
     assert len(_skipping_frame_warnings(caught)) == 1
+
+
+class NeverCompiled(DirectRead):
+    """A forward dynamo never compiles (``torch.compiler.disable``): the whole call runs without a graph of its own."""
+
+    @torch.compiler.disable
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * self.scale
+        return x
+
+
+def test_a_forward_run_without_any_graph_streams_and_is_not_refused():
+    """It was refused before ("ran without its offloaded graph"), though plain torch.compile runs it: now its
+    blocks stream as their own graphs and ``scale`` is read on demand, measured and said once."""
+    torch.manual_seed(0)
+    model, x = NeverCompiled().eval().requires_grad_(False), torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
+    with pytest.warns(UserWarning, match=r"without a graph.*blocks\.0.*on demand for each op \(64 B in 2 ops"), \
+            torch.no_grad():
+        assert torch.equal(m(x), expected)
+    assert offload_stats(m).on_demand_bytes == 64
+    assert_traffic_matches_plan(m)
