@@ -679,7 +679,8 @@ class _RoutedPart:
                         f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
 
 
-_PART_GUARDS = guards_only_on(_RoutedPart)  # a part is guarded by its identity alone: see there
+_PART_GUARDS = guards_only_on({_RoutedPart: "ID_MATCH", HostMaster: "TENSOR_MATCH"})  # see there: by identity, by
+#   tensor metadata
 
 
 def _path_of(state: OffloadState, module: nn.Module) -> str:
