@@ -367,15 +367,13 @@ class HookWatch:
 
 class _OffloadedForward:
     """A module's forward (or another entry method, `ENTRY_METHODS`) while its model is offloaded: runs the
-    module's own offloaded graph. ``must_graph``: a call that ran no offloaded graph is an error (dynamo fell
-    back to eager). ``function``: what the method runs, where not the class's (a forward set on the instance
-    before offloading)."""
+    module's own offloaded graph. ``function``: what the method runs, where not the class's (a forward set on the
+    instance before offloading)."""
 
-    def __init__(self, module: nn.Module, state: OffloadState, must_graph: bool, method: str = "forward",
+    def __init__(self, module: nn.Module, state: OffloadState, method: str = "forward",
                  function: Any = None) -> None:
         self._state = state
         self._module = module
-        self._must_graph = must_graph
         self._root = module is state.owner
         self._method = method
         self._warned_inputs = False
@@ -648,7 +646,7 @@ class _RoutedPart:
 
     def _route_call(self, *args: Any, **kwargs: Any) -> Any:
         if self._routed is None:
-            self._routed = _OffloadedForward(self._module, self._state, True, function=self.previous)
+            self._routed = _OffloadedForward(self._module, self._state, function=self.previous)
         outside = self._state.outside if self._state.routing else None
         if outside is None:  # by hand, outside any offloaded call
             return self._routed(*args, **kwargs)
@@ -804,13 +802,13 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
     its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``); then every other module
     holding offloaded weights gets a `_RoutedPart`."""
     names = _group_names(state, model)
-    wanted = [(model, True, True)] if model is state.owner else []
-    wanted += [(model.get_submodule(n), True, True) for n in _containers_of_groups(model, names)]
-    wanted += [(model.get_submodule(n), False, True) for n in _component_names(state, model)]
-    for module, must_graph, entries in wanted:
-        for method in ("forward",) + (_entry_methods(module) if entries else ()):
+    wanted = [model] if model is state.owner else []
+    wanted += [model.get_submodule(n) for n in _containers_of_groups(model, names)]
+    wanted += [model.get_submodule(n) for n in _component_names(state, model)]
+    for module in wanted:
+        for method in ("forward",) + _entry_methods(module):
             if (module, method) not in state.forwards:
-                forward = _OffloadedForward(module, state, must_graph, method)
+                forward = _OffloadedForward(module, state, method)
                 state.forwards[(module, method)] = forward
                 module.__dict__[method] = forward
     routed = {module for module, _ in state.forwards}
@@ -830,7 +828,7 @@ def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
         if not inspect.ismethod(getattr(module, method, None)):
             raise ValueError(f"{type(module).__name__}.{method} is not a method of the module; register_offload_method "
                              f"takes the name of a method its class defines (forward is routed already)")
-        forward = _OffloadedForward(module, state, True, method)
+        forward = _OffloadedForward(module, state, method)
         state.forwards[(module, method)] = forward
         module.__dict__[method] = forward
 
