@@ -183,7 +183,8 @@ class GraphRunner:
         if rt is None:
             raise RuntimeError("this offloaded graph's model no longer exists (garbage-collected), yet dynamo called its "
                                "cached graph, e.g. for another model of its class: offload_compile that model instead")
-        if rt.closed:
+        if rt.closed:  # another instance sharing this graph (the backend route's first) is told so by name
+            _refuse_foreign_weights(list(self._weights_of(args)), self._compiled_ids, rt)
             raise OffloadRefusal(OFFLOAD_ENDED)
         with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
             ids = self._ids(args)

@@ -82,6 +82,7 @@ class OffloadState:
     #   set on the instance before offloading or None): the other modules holding weights (`add_part`)
     routing: int = 0  # depth of offloaded calls (and captures) running now
     outside: Outside | None = None  # what the current offloaded call read outside its own graphs (`Outside`)
+    traced_runtime: OffloadRuntime | None = None  # the backend route's first runtime (`_with_masters`)
     warned_outside: bool = False  # the one warning that part of a call ran outside its graphs was given
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
@@ -432,7 +433,7 @@ class _OffloadedForward:
                 if outer:
                     state.adopt_hooks()
             if runtime.graph_calls == calls and not _reads_are_counted(runtime):
-                raise OffloadRefusal(  # the backend route's weights are no host masters (see `_reads_are_counted`)
+                raise OffloadRefusal(  # a tensor-subclass weight is no host master (see `_reads_are_counted`)
                     f"{state.name} ran without its offloaded graph: torch.compile fell back to plain eager "
                     f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a "
                     f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
@@ -584,9 +585,10 @@ class Outside:
 
 
 def _reads_are_counted(runtime: OffloadRuntime) -> bool:
-    """Whether the runtime's weights are host masters (every route but the backend's first capture, which
-    traced plain weights: see `omni_offload`), so that a call which ran none of its graphs still streamed."""
-    return any(isinstance(slot.tensor, HostMaster) for group in runtime.groups for slot in group.slots)
+    """Whether every streamed weight is a host master, so that a call which ran none of its graphs still
+    streamed what it read. Not yet masters: tensor-subclass weights (quantized, DTensor shards)."""
+    return all(isinstance(slot.tensor, HostMaster) for group in runtime.groups if group.streamed
+               for slot in group.slots)
 
 
 def _size(nbytes: int) -> str:
@@ -1042,8 +1044,23 @@ class _AttachAtFirstRun:
 
     def __call__(self, *args: Any) -> Any:
         state = self._state
-        if not state.classes and not state.ended:
-            with state.lock:
-                _attach(state.owner, state, [state.owner])
-                install_forwards(state.owner, state)
-        return self._run(*args)
+        with state.lock:
+            if state.classes or state.ended:
+                return self._run(*args)
+            out = self._run(*args)  # over the plain weights it was traced with, streamed by its own plan
+            _with_masters(state)
+            _attach(state.owner, state, [state.owner])
+            install_forwards(state.owner, state)
+            return out
+
+
+def _with_masters(state: OffloadState) -> None:
+    """After the backend route's first graph ran: its runtime (over the plain weights dynamo traced) gives the
+    weights their own storage back, and a runtime with host masters takes its place, as `offload_compile` builds
+    it -- so that on this route too a read outside an offloaded graph is fetched on demand and counted. The first
+    graph's runtime stays referenced: dynamo may call that graph for another instance of the class sharing its
+    code, which it refuses by name (`backend._refuse_foreign_weights`)."""
+    traced = state.runtime
+    traced.unpack()
+    state.runtime = build_runtime(state.owner, traced.policy, name=traced.model_name)
+    state.traced_runtime = traced

@@ -196,8 +196,9 @@ class NeverCompiled(DirectRead):
 
 
 def test_a_forward_run_without_any_graph_streams_and_is_not_refused():
-    """It was refused before ("ran without its offloaded graph"), though plain torch.compile runs it: now its
-    blocks stream as their own graphs and ``scale`` is read on demand, measured and said once."""
+    """Its blocks stream as their own graphs and ``scale`` is read on demand, measured and said once (before,
+    the warning named ``scale`` as "fetched by no graph" and the CPU read it where it was, uncounted); a call
+    that ran no graph of the model's own is not refused."""
     torch.manual_seed(0)
     model, x = NeverCompiled().eval().requires_grad_(False), torch.randn(2, 8)
     with torch.no_grad():
@@ -208,3 +209,42 @@ def test_a_forward_run_without_any_graph_streams_and_is_not_refused():
         assert torch.equal(m(x), expected)
     assert offload_stats(m).on_demand_bytes == 64
     assert_traffic_matches_plan(m)
+
+
+class ScaledAfterBlock(DirectRead):
+    """A graph the backend sees (``blocks.0``), then ``scaled``, a frame dynamo runs without a graph (a graph
+    break inside its loop) that reads ``scale`` as a tensor."""
+
+    def forward(self, x):
+        return self.scaled(self.blocks[1](self.blocks[0](x)))
+
+    def scaled(self, x):
+        for _ in range(2):
+            x = x * self.scale
+            if float(x.sum()) > 1e9:  # a graph break inside the loop
+                x = x * 0
+        return x
+
+
+def test_the_backend_route_streams_a_frame_without_a_graph_through_host_masters_too():
+    """``torch.compile(model, backend="omni_offload")``: after its first call the model holds host masters, as
+    with `offload_compile`, so ``scale``, read in the frame dynamo runs without a graph, is counted on demand
+    (before, that route kept plain weights: the read was silent on the CPU)."""
+    from offload_compiler.host_masters import HostMaster
+    torch.manual_seed(0)
+    model, x = ScaledAfterBlock().eval().requires_grad_(False), torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    compiled = torch.compile(copy.deepcopy(model), backend="omni_offload",
+                             options={"strategy": "layerwise", "device": "cpu"})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(compiled(x), expected)  # offloads the model
+        for _ in range(2):
+            reset_offload_stats(compiled)
+            torch.testing.assert_close(compiled(x), expected)
+    m = compiled._orig_mod
+    assert isinstance(m.scale, HostMaster) and isinstance(m.blocks[0].weight, HostMaster)
+    assert offload_stats(m).on_demand_bytes == 2 * 8 * 4
+    assert_traffic_matches_plan(m)
+    assert len(_skipping_frame_warnings(caught)) == 1
