@@ -1063,4 +1063,5 @@ def _with_masters(state: OffloadState) -> None:
     traced = state.runtime
     traced.unpack()
     state.runtime = build_runtime(state.owner, traced.policy, name=traced.model_name)
+    state.runtime.continue_stats(traced)
     state.traced_runtime = traced

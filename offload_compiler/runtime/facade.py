@@ -237,6 +237,12 @@ class OffloadRuntime:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
         return describe(self)
 
+    def continue_stats(self, previous: "OffloadRuntime") -> None:
+        """``offload_stats`` counts on from ``previous``, the runtime this one replaced (the backend route's first,
+        over the traced plain weights): what its first call moved stays counted."""
+        self.transfers.continue_counters(previous.transfers)
+        self.on_demand.bytes += previous.on_demand.bytes
+
     def reset_stats(self) -> None:
         self.plan_calls = [0] * len(self.plan_calls)
         self.transfers.reset_counters()
