@@ -27,8 +27,7 @@ from common import RESULTS, environment, exact_command, write_json  # noqa: E402
 from host_overhead import Stack  # noqa: E402
 
 from offload_compiler import OffloadPolicy, offload_compile  # noqa: E402
-from offload_compiler._dynamo import graph_breaks  # noqa: E402
-from offload_compiler.offloaded import state_of  # noqa: E402
+from offload_compiler.offloaded import Outside, state_of  # noqa: E402
 
 
 def _entered(context) -> None:
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         "argument scan (a decode step's)": lambda: forward._inputs_on_device((), decode_step, state.runtime.device),
         "lift and restore the routed parts": lambda: _entered(state.tracing_through()),
         "dynamo config for the call": lambda: _entered(call_config()),
-        "graph-break snapshot": graph_breaks,
+        "outside-the-graphs snapshot": lambda: Outside(state.runtime),
         "hook check (runs twice per call)": state.hooks.change,
     }
     us = {name: min(timeit.repeat(piece, number=args.number, repeat=args.repeats)) / args.number * 1e6

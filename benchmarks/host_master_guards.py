@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
 from torch import nn
 
+from offload_compiler._dynamo import guards_only_on
 from offload_compiler.host_masters import HostMaster
 
 
@@ -49,6 +51,10 @@ def main() -> None:
         "masters": torch.compile(_model(layers, True), backend=_constant_backend()),
         "masters, their guards dropped": torch.compile(_model(layers, True), backend=_constant_backend(),
                                                        options={"guard_filter_fn": _drop_master_guards}),
+        # what offloaded calls compile with (`offloaded._PART_GUARDS`): each master's TENSOR_MATCH alone
+        "masters, TENSOR_MATCH alone (guards_only_on)": torch.compile(
+            _model(layers, True), backend=_constant_backend(),
+            options={"guard_filter_fn": guards_only_on({HostMaster: "TENSOR_MATCH"})}),
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
     with torch.no_grad():
@@ -60,7 +66,8 @@ def main() -> None:
                 for _ in range(args.calls):
                     compiled(x)
                 times[name].append((time.perf_counter() - start) / args.calls * 1e6)
-    result = {"torch": torch.__version__, "weights": args.weights, "us_per_call_median":
+    result = {"command": "PYTHONPATH=. python benchmarks/host_master_guards.py " + " ".join(sys.argv[1:]),
+              "torch": torch.__version__, "weights": args.weights, "us_per_call_median":
               {name: round(statistics.median(t), 1) for name, t in times.items()}}
     print(json.dumps(result, indent=2))
 

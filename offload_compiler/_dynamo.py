@@ -1,8 +1,6 @@
 """Every use of dynamo's private surface, in one place: what a torch upgrade may break is here and nowhere else.
 
 - `compiled_module_of`: the module inside a ``torch.compile`` wrapper (``OptimizedModule``).
-- `skipped_frames`: how many frames dynamo has run without a graph (a graph break inside a loop, the
-  recompile limit), so an offloaded call can notice that part of its model ran eagerly.
 - `model_error`: the model's own exception under dynamo's ``TorchRuntimeError`` wrapper.
 - `compiled_models`: the modules inside the live ``torch.compile`` wrappers (the backend route finds its model
   among them by the identity of the graph's weights).
@@ -12,11 +10,11 @@
   per patch object): raised recompile limits, and logging calls traced as no-ops.
 - `compile_under_config`, `config_for_call`: ``torch.compile`` of an offloaded call's function with
   `capture_config` in force only while dynamo compiles one of its frames (nothing entered on a steady call).
-- `graph_breaks`, `graph_breaks_since`: the reasons of the graph breaks of one call, for an error that follows
-  from one.
+- `short_reason`: dynamo's graph-break report, short (auto's capture names the break that stops it).
 - `constant_while_tracing`, `inlined_only`, `guards_only_on`: a routed part traced into by our captures (a
   per-thread depth read as a constant of the graph), run as plain Python where called from a frame dynamo
-  runs without a graph, and guarded by its identity alone.
+  runs without a graph (a host master's ``__torch_function__`` too), and guarded by its identity alone (a
+  host master by its tensor metadata alone).
 - `leave_fullgraph_region`, `restore_fullgraph_region`: an offloaded call made from the user's
   ``torch.compile(m, fullgraph=True)`` runs its own compiled frames as a call from plain Python would.
 """
@@ -35,7 +33,6 @@ from torch import nn
 from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import TorchDynamoException
-from torch._dynamo.utils import counters
 
 from .errors import OffloadRefusal
 
@@ -46,22 +43,6 @@ RECOMPILE_LIMIT = 4096  # every offloaded model of one class is a cache entry of
 def compiled_module_of(obj: Any) -> Any:
     """``torch.compile(model)`` returns a wrapper; the state lives on the model inside it."""
     return obj._orig_mod if isinstance(obj, OptimizedModule) else obj
-
-
-def skipped_frames() -> int:
-    frames = counters["frames"]
-    return frames["total"] - frames["ok"]
-
-
-def graph_breaks() -> dict[str, int]:
-    """How often dynamo met each graph-break reason so far (compare with `graph_breaks_since`)."""
-    return dict(counters["graph_break"])
-
-
-def graph_breaks_since(before: dict[str, int]) -> list[str]:
-    """Each graph-break reason dynamo met since ``before``, short (`short_reason`)."""
-    return [short_reason(reason) for reason, count in counters["graph_break"].items()
-            if count > before.get(reason, 0)]
 
 
 def short_reason(text: str) -> str:
@@ -240,31 +221,45 @@ def inlined_only(function: Callable) -> Callable:
     return function
 
 
-def guards_only_on(kind: type) -> Callable[[list], list[bool]]:
+def guards_only_on(kinds: dict[type, str]) -> Callable[[list], list[bool]]:
     """A ``guard_filter_fn`` (``torch.compile(..., options={"guard_filter_fn": ...})``) that keeps, of the guards
-    dynamo installs on an object of type ``kind`` and on what it reached through one, only the object's
-    ``ID_MATCH`` (for a callable object, the ``CLOSURE_MATCH`` that stands for it). For objects that never change once made (a `_RoutedPart`: its attributes, its class's
-    ``__call__``, and the module it holds are fixed at construction), what the dropped guards check -- its
-    ``__dict__``, its ``forward`` method's code, ``type(part).__call__``'s code, and that the module reached
-    through it is the module it is installed on (an object-aliasing guard, which dynamo checks in Python, a
-    lambda per part) -- follows from the identity: a few C++ checks per object, not a dozen and a lambda.
+    dynamo installs on an object of a type in ``kinds`` and on what it reached through one, only the object's
+    guard of the kind named there:
+
+    - a `_RoutedPart` (``"ID_MATCH"``; for a callable object, the ``CLOSURE_MATCH`` that stands for it): its
+      attributes, its class's ``__call__`` and the module it holds are fixed at construction, so what the
+      dropped guards check -- its ``__dict__``, its ``forward`` method's code, ``type(part).__call__``'s code, and
+      that the module reached through it is the module it is installed on (an object-aliasing guard, which
+      dynamo checks in Python, a lambda per part) -- follows from the identity;
+    - a host master (``"TENSOR_MATCH"``, a C++ check of its class, shape, strides, dtype and device): its
+      ``__tensor_flatten__`` context (device and account, compared in Python per weight), its inner ``host``
+      tensor (rebound by ``p.data = t``; the offloaded graph reads the weight's device slot, never ``host``) and
+      the list of its inner attributes (a Python call per weight) follow from the class and the runtime that
+      made it; the offloaded call checks the weights' identity at every graph call anyway (`GraphRunner`).
+
+    A few C++ checks per object, instead of a dozen and Python lambdas.
 
     Private surface: the entries' ``orig_guard.originating_source`` and the sources' ``base`` chain
     (``ChainedSource``)."""
     def keep(entries: list) -> list[bool]:
-        held = {e.orig_guard.originating_source for e in entries if e.has_value and type(e.value) is kind}
+        held = {e.orig_guard.originating_source: kinds[type(e.value)] for e in entries
+                if e.has_value and type(e.value) in kinds}
         if not held:
             return [True] * len(entries)
 
-        def within(source: Any) -> bool:
+        def owner(source: Any) -> Any:
             while source is not None:
                 if source in held:
-                    return True
+                    return source
                 source = getattr(source, "base", None)
-            return False
+            return None
 
-        return [not within(e.orig_guard.originating_source) or (e.orig_guard.originating_source in held and (
-            "ID_MATCH" in (e.guard_type, *e.derived_guard_types))) for e in entries]  # CLOSURE_MATCH: an ID_MATCH
+        def kept(entry: Any) -> bool:
+            source = entry.orig_guard.originating_source
+            found = owner(source)
+            return found is None or (found == source and held[found] in (entry.guard_type,
+                                                                            *entry.derived_guard_types))
+        return [kept(e) for e in entries]
     return keep
 
 

@@ -28,7 +28,7 @@ from .passes.slots import assign_slots, pool_bytes
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .host_masters import OnDemand, with_host_masters
-from .runtime import OffloadRuntime, is_accelerator, size_class
+from .runtime import OffloadRuntime, size_class
 
 OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
                  "offload_compile(model, policy)")
@@ -68,7 +68,7 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
     specs = plan_groups(model, policy) if specs is None else specs
     _unmanaged_to_device(model, specs, policy, move=pack_now)
     on_demand = OnDemand()
-    if pack_now and is_accelerator(policy.torch_device):  # see host_masters: no host read, by construction
+    if pack_now:  # see host_masters: no read outside an offloaded graph goes unseen, by construction
         specs = with_host_masters(model, specs, policy.torch_device, weakref.ref(on_demand))
     return OffloadRuntime(policy, specs, name or type(model).__name__, pack_now, model=model, on_demand=on_demand)
 
@@ -191,7 +191,8 @@ class GraphRunner:
         if rt is None:
             raise RuntimeError("this offloaded graph's model no longer exists (garbage-collected), yet dynamo called its "
                                "cached graph, e.g. for another model of its class: offload_compile that model instead")
-        if rt.closed:
+        if rt.closed:  # another instance sharing this graph (the backend route's first) is told so by name
+            _refuse_foreign_weights(list(self._weights_of(args)), self._compiled_ids, rt)
             raise OffloadRefusal(OFFLOAD_ENDED)
         with rt.lock:  # one call at a time: fetch keys and pending copies are per graph, not per thread
             ids = self._ids(args)

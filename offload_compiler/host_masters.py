@@ -14,8 +14,9 @@ into its group's packed host buffer (``.host``). That makes a host read impossib
   bytes; the runtime sees the change through the master's version counter and data pointer and refreshes the
   packed buffer before the next copy.
 
-Where the device is the host (``cpu``) the weights stay plain tensors: there a read outside a graph is a read of
-the device weight.
+Where the device is the host (``cpu``) the weights are masters too: a read outside a graph computes on the host
+bytes in place (no copy) and is counted alike, so what a route reads outside its graphs is measured on every
+device, and ``.cpu()``, ``.to("cpu")``, ``numpy()`` and ``tolist()`` give the host bytes, as a copy does elsewhere.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ._dynamo import inlined_only
 from .storage import own_storage, viewed
 
 aten = torch.ops.aten
@@ -38,12 +40,14 @@ _DATA = torch.Tensor.data  # the ``.data`` descriptor: its setter reaches __torc
 
 class OnDemand:
     """What a runtime's masters share: the bytes and ops of weights fetched on demand (outside an offloaded
-    graph), and ``before_write``, which a write into the host bytes calls first (the runtime waits there for
-    queued copies that may still read them)."""
+    graph; ``weights``: each weight's bytes by address and size, so a weight read by many ops counts once), and
+    ``before_write``, which a write into the host bytes calls first (the runtime waits there for queued copies
+    that may still read them)."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.ops = 0
+        self.weights: set[tuple[int, int]] = set()
         self.before_write: Callable[[], Callable[[], None] | None] | None = None  # a weak method
         self._lock = threading.Lock()
 
@@ -52,20 +56,27 @@ class OnDemand:
         if wait is not None:
             wait()
 
-    def add(self, nbytes: int) -> None:
+    def add(self, host: torch.Tensor) -> None:
         with self._lock:
-            self.bytes += nbytes
+            self.bytes += host.numel() * host.element_size()
             self.ops += 1
+            self.weights.add((host.data_ptr(), host.numel()))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes = self.ops = 0
+            self.weights.clear()
 
 
 def _counted(master: "HostMaster") -> torch.Tensor:
-    """The master's device copy for one op outside an offloaded graph."""
+    """The master's device copy for one op outside an offloaded graph (where the device is the host, ``cpu``, the
+    host bytes themselves: no copy, but a read outside the graph all the same, so counted alike)."""
     host = master.host
     value = host.to(master.device)
     if not torch.compiler.is_compiling():  # a trace's fake propagation moves no bytes
         account = master.account() if master.account is not None else None
         if account is not None:
-            account.add(host.numel() * host.element_size())
+            account.add(host)
     return value
 
 
@@ -102,18 +113,22 @@ class HostMaster(torch.Tensor):
         return self.host.__reduce_ex__(protocol)
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    @inlined_only  # from a frame dynamo runs without a graph: plain Python (the op then reads on demand, counted),
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # not a graph compiled per op and weight
         kwargs = kwargs or {}
         if func == _DATA.__set__ and isinstance(args[0], HostMaster) and not isinstance(args[1], HostMaster):
             master, new = args
             master.host = _fakifiable(new.detach().to(master.host.device))  # repacked before the next copy
             torch.autograd.graph.increment_version(master.host)
             return None
+        if func in _HOST_SIDE and isinstance(args[0], HostMaster) and args[0].device == args[0].host.device:
+            return _on_host(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    @torch.compiler.disable  # dynamo never traces a dispatch (it runs under fake tensors, as Python); called from
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # eager code, nothing below it is compiled
         kwargs = kwargs or {}
         first = args[0] if args else None
         if isinstance(first, HostMaster):
@@ -133,6 +148,20 @@ class HostMaster(torch.Tensor):
                 return first
         args, kwargs = tree_map(lambda a: _counted(a) if isinstance(a, HostMaster) else a, (args, kwargs))
         return func(*args, **kwargs)
+
+
+# Where the compute device is the host (``cpu``), ``.cpu()`` and ``.to("cpu")`` return the tensor itself, and
+# ``numpy``/``tolist`` refuse subclasses: for a master they are the host bytes, as on an accelerator (a copy there).
+_HOST_SIDE = frozenset({torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, torch.Tensor.tolist})
+
+
+def _on_host(func, args: tuple, kwargs: dict):
+    master = args[0]
+    if func in (torch.Tensor.cpu, torch.Tensor.to):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        return master.host if out is master else out
+    return func(master.host, *args[1:], **kwargs)
 
 
 def _fakifiable(host: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,9 @@ How a call reaches the weights, route by route:
   `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container), as it traces
   into the `_RoutedPart` objects;
 - part of the forward run by dynamo without a graph (a graph break inside a loop): the modules it calls are
-  parts called from Python, so each runs its own offloaded graph (slower, module by module); said once per model.
+  parts called from Python, so each runs its own offloaded graph (slower, module by module), and a weight it
+  computes with directly is a host master, read on demand for that op (`host_masters`); what such code read,
+  measured (bytes fetched by those graphs, bytes and ops on demand), is said once per model.
 """
 
 from __future__ import annotations
@@ -45,15 +47,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dynamo import capture_config, compile_under_config, compiled_models, compiled_module_of, config_for_call, \
-    constant_while_tracing, graph_breaks, graph_breaks_since, guards_only_on, inlined_only, is_tracing_error, \
-    leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, skipped_frames, static_shapes, \
-    symbolic_sizes, user_frame
+    constant_while_tracing, guards_only_on, inlined_only, is_tracing_error, leave_fullgraph_region, model_error, \
+    own_refusal, restore_fullgraph_region, static_shapes, symbolic_sizes, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
 from .components import DIT_MODULES, ENTRY_METHODS, pipeline_streamed
 from .errors import OffloadRefusal
 from .grouping import blocks_attr_within, component_block_groups, plan_groups
+from .host_masters import HostMaster
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime import OffloadRuntime
 
@@ -79,10 +81,9 @@ class OffloadState:
     parts: dict = dataclasses.field(default_factory=dict)  # module -> (its __dict__, its `_RoutedPart`, its forward
     #   set on the instance before offloading or None): the other modules holding weights (`add_part`)
     routing: int = 0  # depth of offloaded calls (and captures) running now
-    breaks: dict = dataclasses.field(default_factory=dict)  # dynamo's graph-break counts when the outermost
-    #   offloaded call began (`graph_breaks`): the breaks of the call so far are those since
-    eager_part: nn.Module | None = None  # the first part called from Python during the current offloaded call
-    warned_eager: bool = False  # the one warning that part of the forward runs without a graph was given
+    outside: Outside | None = None  # what the current offloaded call read outside its own graphs (`Outside`)
+    traced_runtime: OffloadRuntime | None = None  # the backend route's first runtime (`_with_masters`)
+    warned_outside: bool = False  # the one warning that part of a call ran outside its graphs was given
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     limits: Any = dataclasses.field(default_factory=capture_config)  # entered around a call only where its
@@ -137,27 +138,29 @@ class OffloadState:
             for (module, method), previous in saved:
                 module.__dict__[method] = previous
 
-    def warn_without_graph(self, unread: list[str]) -> None:
-        """Once per model, at the end of the first offloaded call in which a part was called from Python: dynamo
-        ran the calling code without a graph (a graph break inside a loop, a frame past its recompile limit). It
-        still streamed, module by module; the warning names dynamo's reasons (where this call met them), a
-        module it called, and the weights that no graph fetched."""
-        module, self.eager_part = self.eager_part, None
-        if self.warned_eager or module is None:
+    def warn_outside(self, outside: Outside) -> None:
+        """Once per model, at the end of the first offloaded call that read weights outside its own graphs:
+        code dynamo ran without a graph (a graph break inside a loop, a frame past its recompile limit). It still
+        streamed -- the modules it called as their own graphs, the weights it computed with on demand, op by op
+        (host masters) -- and this says what that cost, as measured, and the fix."""
+        if self.warned_outside or not outside:
             return
-        self.warned_eager = True
-        reasons = graph_breaks_since(self.breaks)
-        why = f" (dynamo's graph breaks: {'; '.join(reasons)})" if reasons else ""
-        unfetched = (f" The weights {unread[:4]}{' ...' if len(unread) > 4 else ''} were fetched by no graph: unused "
-                     f"in this call (a data-dependent route), or read there as tensors, not through a module call "
-                     f"(on an accelerator each such read is fetched for its op: offload_stats(m).on_demand_bytes; "
-                     f"on the CPU it reads the weight where it is)." if unread else "")
+        self.warned_outside = True
+        what = []
+        if outside.part is not None:
+            what.append(f"the modules it called, such as {_path_of(self, outside.part) or type(outside.part).__name__}, "
+                        f"each ran as their own offloaded graph ({_size(outside.part_bytes)} fetched), with no "
+                        f"prefetch ahead and a dispatch per module")
+        if outside.on_demand_ops:
+            what.append(f"{outside.on_demand_weights} weights it computed with directly were fetched on demand for "
+                        f"each op ({_size(outside.on_demand_bytes)} in {outside.on_demand_ops} ops, "
+                        f"offload_stats(m).on_demand_bytes)")
         warnings.warn(
-            f"offload_compiler: dynamo runs part of {self.name}'s forward without a graph{why}. The modules that "
-            f"code calls, such as {_path_of(self, module) or type(module).__name__}, each run as their own offloaded "
-            f"graph, fetching their weights when called, with no prefetch ahead and a dispatch per module: slower, "
-            f"like a hook-based offloader, for that code only.{unfetched} Make that code traceable to stream it "
-            f"within one graph (TORCH_LOGS=graph_breaks shows where)", UserWarning, stacklevel=4)
+            f"offload_compiler: part of {self.name}'s forward ran outside its offloaded graphs (dynamo ran it "
+            f"without a graph: a graph break inside a loop, or a frame past its recompile limit); it still "
+            f"streamed: {'; '.join(what)}. Slower, like a hook-based offloader, for that code only. Make that code "
+            f"traceable to stream it within one graph (TORCH_LOGS=graph_breaks shows where)", UserWarning,
+            stacklevel=4)
 
     def add_part(self, module: nn.Module) -> None:
         """Route ``module`` (it holds offloaded weights) through a `_RoutedPart` of its own."""
@@ -365,15 +368,13 @@ class HookWatch:
 
 class _OffloadedForward:
     """A module's forward (or another entry method, `ENTRY_METHODS`) while its model is offloaded: runs the
-    module's own offloaded graph. ``must_graph``: a call that ran no offloaded graph is an error (dynamo fell
-    back to eager). ``function``: what the method runs, where not the class's (a forward set on the instance
-    before offloading)."""
+    module's own offloaded graph. ``function``: what the method runs, where not the class's (a forward set on the
+    instance before offloading)."""
 
-    def __init__(self, module: nn.Module, state: OffloadState, must_graph: bool, method: str = "forward",
+    def __init__(self, module: nn.Module, state: OffloadState, method: str = "forward",
                  function: Any = None) -> None:
         self._state = state
         self._module = module
-        self._must_graph = must_graph
         self._root = module is state.owner
         self._method = method
         self._warned_inputs = False
@@ -411,48 +412,38 @@ class _OffloadedForward:
                     state.plan_component(path, args, kwargs)
             runtime = state.runtime
             args, kwargs, needs_grad = self._inputs_on_device(args, kwargs, runtime.device)
-            calls, skipped = runtime.graph_calls, skipped_frames()
-            if not state.routing:  # a part called from a frame run without a graph adds to its caller's
-                runtime.used_groups.clear()
-                if not state.warned_eager:  # read only by the one warning (`warn_without_graph`)
-                    state.breaks = graph_breaks()
+            calls = runtime.graph_calls
+            outer = not state.routing  # a part called from a frame run without a graph adds to its caller's
+            if outer:
+                state.outside = Outside(runtime)
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
             compiled = self._compiled or self._compile(runtime)
             try:
                 with torch.no_grad(), config_for_call(compiled, state.limits), state.tracing_through(), measure:
                     out = self._run(compiled, args, kwargs)
-            except BaseException:
-                if skipped_frames() != skipped:
-                    # dynamo gave up on a frame of this failed call (the model's own ``raise`` on a bad input,
-                    # traced: "Failed to handle graph break gracefully") and runs that code object without a
-                    # graph from then on: our forwards' frames included, so every later call read host
-                    # memory and was refused. Fresh code objects for them (`_own_frame`) at the next call.
+            except BaseException as exc:
+                if is_tracing_error(exc):
+                    # dynamo may have given up on a frame of this failed call (the model's own ``raise`` on a bad
+                    # input, traced: "Failed to handle graph break gracefully") and run that code object without
+                    # a graph from then on: our forwards' frames included, so every later call would read its
+                    # weights on demand. Fresh code objects for them (`_own_frame`) at the next call.
                     state.recompile()
                 raise
             finally:
-                if not state.routing:
+                if outer:
                     state.adopt_hooks()
-            if runtime.graph_calls == calls and (self._must_graph or any(g.streamed for g in runtime.groups)):
-                raise OffloadRefusal(
+            if runtime.graph_calls == calls and not _reads_are_counted(runtime):
+                raise OffloadRefusal(  # a tensor-subclass weight is no host master (see `_reads_are_counted`)
                     f"{state.name} ran without its offloaded graph: torch.compile fell back to plain eager "
                     f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a "
                     f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
-            if not state.routing and state.eager_part is not None:
-                state.warn_without_graph(self._unfetched(state, runtime))
+            if outer:
+                state.warn_outside(state.outside.end())
         return _inference_only(out) if needs_grad or self._trainable() else out
 
     def _trainable(self) -> bool:
         """The plain module's outputs would require grad for its weights: grad mode on, a weight requiring it."""
         return torch.is_grad_enabled() and any(p.requires_grad for p in self._module.parameters())
-
-    def _unfetched(self, state: OffloadState, runtime: OffloadRuntime) -> list[str]:
-        """The weights (of this module) that no graph of this call fetched. Where dynamo ran part of the call
-        without a graph, the modules that code called streamed (`_RoutedPart`); a weight listed here was unused
-        in this call (an expert no token was routed to) or read there as a tensor (``x + self.pos_embed``): the
-        two look the same from here, so they are named in the warning, not refused."""
-        path = "" if self._root else _path_of(state, self._module)
-        return [slot.name for g in runtime.groups if g.nbytes and g.index not in runtime.used_groups and (
-            not path or g.name == path or g.name.startswith(path + ".")) for slot in g.slots]
 
     __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
 
@@ -566,6 +557,44 @@ def _own_frame(function: Any) -> Any:
                               offloaded_call.__closure__)
 
 
+class Outside:
+    """What one offloaded call read outside its own graphs, measured: the bytes that parts called from Python
+    (from code dynamo ran without a graph) fetched as their own graphs, and what host masters fetched on demand
+    (`host_masters.OnDemand`) -- no count of dynamo's is read."""
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        self.runtime = runtime
+        demand = runtime.on_demand
+        self._start = (demand.bytes, demand.ops, len(demand.weights))
+        self.part: nn.Module | None = None  # the first part called from Python during the call
+        self.part_bytes = 0
+        self.on_demand_bytes = self.on_demand_ops = self.on_demand_weights = 0
+
+    def add_part(self, module: nn.Module, nbytes: int) -> None:
+        self.part = self.part if self.part is not None else module
+        self.part_bytes += nbytes
+
+    def end(self) -> "Outside":
+        demand = self.runtime.on_demand
+        self.on_demand_bytes, self.on_demand_ops, self.on_demand_weights = (
+            max(now - then, 0) for now, then in zip((demand.bytes, demand.ops, len(demand.weights)), self._start))
+        return self
+
+    def __bool__(self) -> bool:
+        return self.part is not None or self.on_demand_ops > 0
+
+
+def _reads_are_counted(runtime: OffloadRuntime) -> bool:
+    """Whether every streamed weight is a host master, so that a call which ran none of its graphs still
+    streamed what it read. Not yet masters: tensor-subclass weights (quantized, DTensor shards)."""
+    return all(isinstance(slot.tensor, HostMaster) for group in runtime.groups if group.streamed
+               for slot in group.slots)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes} B"
+
+
 class _CallDepth(threading.local):
     depth = 0  # how deep in offloaded calls this thread is (`OffloadState.tracing_through`)
 
@@ -619,10 +648,15 @@ class _RoutedPart:
 
     def _route_call(self, *args: Any, **kwargs: Any) -> Any:
         if self._routed is None:
-            self._routed = _OffloadedForward(self._module, self._state, True, function=self.previous)
-        if self._state.routing and self._state.eager_part is None:  # warned at the end of the outermost call
-            self._state.eager_part = self._module
-        return self._routed(*args, **kwargs)
+            self._routed = _OffloadedForward(self._module, self._state, function=self.previous)
+        outside = self._state.outside if self._state.routing else None
+        if outside is None:  # by hand, outside any offloaded call
+            return self._routed(*args, **kwargs)
+        before = outside.runtime.bytes_transferred  # within an offloaded call: said at its end (`Outside`)
+        try:
+            return self._routed(*args, **kwargs)
+        finally:
+            outside.add_part(self._module, outside.runtime.bytes_transferred - before)
 
     _route = torch.compiler.disable(_route_call, reason=BOUNDARY)
 
@@ -645,7 +679,8 @@ class _RoutedPart:
                         f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
 
 
-_PART_GUARDS = guards_only_on(_RoutedPart)  # a part is guarded by its identity alone: see there
+_PART_GUARDS = guards_only_on({_RoutedPart: "ID_MATCH", HostMaster: "TENSOR_MATCH"})  # see there: by identity, by
+#   tensor metadata
 
 
 def _path_of(state: OffloadState, module: nn.Module) -> str:
@@ -769,13 +804,13 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
     its components' forwards and entry methods (`ENTRY_METHODS`: a VAE's ``decode``); then every other module
     holding offloaded weights gets a `_RoutedPart`."""
     names = _group_names(state, model)
-    wanted = [(model, True, True)] if model is state.owner else []
-    wanted += [(model.get_submodule(n), True, True) for n in _containers_of_groups(model, names)]
-    wanted += [(model.get_submodule(n), False, True) for n in _component_names(state, model)]
-    for module, must_graph, entries in wanted:
-        for method in ("forward",) + (_entry_methods(module) if entries else ()):
+    wanted = [model] if model is state.owner else []
+    wanted += [model.get_submodule(n) for n in _containers_of_groups(model, names)]
+    wanted += [model.get_submodule(n) for n in _component_names(state, model)]
+    for module in wanted:
+        for method in ("forward",) + _entry_methods(module):
             if (module, method) not in state.forwards:
-                forward = _OffloadedForward(module, state, must_graph, method)
+                forward = _OffloadedForward(module, state, method)
                 state.forwards[(module, method)] = forward
                 module.__dict__[method] = forward
     routed = {module for module, _ in state.forwards}
@@ -795,7 +830,7 @@ def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
         if not inspect.ismethod(getattr(module, method, None)):
             raise ValueError(f"{type(module).__name__}.{method} is not a method of the module; register_offload_method "
                              f"takes the name of a method its class defines (forward is routed already)")
-        forward = _OffloadedForward(module, state, True, method)
+        forward = _OffloadedForward(module, state, method)
         state.forwards[(module, method)] = forward
         module.__dict__[method] = forward
 
@@ -1009,8 +1044,24 @@ class _AttachAtFirstRun:
 
     def __call__(self, *args: Any) -> Any:
         state = self._state
-        if not state.classes and not state.ended:
-            with state.lock:
-                _attach(state.owner, state, [state.owner])
-                install_forwards(state.owner, state)
-        return self._run(*args)
+        with state.lock:
+            if state.classes or state.ended:
+                return self._run(*args)
+            out = self._run(*args)  # over the plain weights it was traced with, streamed by its own plan
+            _with_masters(state)
+            _attach(state.owner, state, [state.owner])
+            install_forwards(state.owner, state)
+            return out
+
+
+def _with_masters(state: OffloadState) -> None:
+    """After the backend route's first graph ran: its runtime (over the plain weights dynamo traced) gives the
+    weights their own storage back, and a runtime with host masters takes its place, as `offload_compile` builds
+    it -- so that on this route too a read outside an offloaded graph is fetched on demand and counted. The first
+    graph's runtime stays referenced: dynamo may call that graph for another instance of the class sharing its
+    code, which it refuses by name (`backend._refuse_foreign_weights`)."""
+    traced = state.runtime
+    traced.unpack()
+    state.runtime = build_runtime(state.owner, traced.policy, name=traced.model_name)
+    state.runtime.continue_stats(traced)
+    state.traced_runtime = traced

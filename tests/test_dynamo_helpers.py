@@ -4,6 +4,7 @@ here, by name, rather than as a slow or wrong offloaded call somewhere else."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounter
@@ -108,7 +109,7 @@ def test_guards_only_on_keeps_the_objects_identity_and_drops_what_was_reached_th
     the compiled code still recompiles for another object in its place, and stays right."""
     torch._dynamo.reset()
     seen: list[tuple[str, bool]] = []
-    keep = guards_only_on(_Part)
+    keep = guards_only_on({_Part: "ID_MATCH"})
 
     def recording(entries):
         kept = keep(entries)
@@ -132,5 +133,42 @@ def test_guards_only_on_keeps_the_objects_identity_and_drops_what_was_reached_th
             model[0].__dict__["forward"] = _Part(model[0])  # another object in its place: the identity guard
             assert torch.equal(compiled(x), expected)
             assert counter.frame_count == 2
+    finally:
+        torch._dynamo.reset()
+
+
+def test_guards_only_on_keeps_a_host_masters_tensor_match_alone():
+    """Of the guards on a host master (its type, its ``__tensor_flatten__`` context compared in Python, its inner
+    ``host`` tensor, the list of its inner attributes through a Python lambda), only its own ``TENSOR_MATCH`` is
+    kept: the compiled code is reused while the weight is the same master, and a master of another shape in
+    its place recompiles."""
+    from offload_compiler.host_masters import HostMaster
+    torch._dynamo.reset()
+    seen: list[tuple[str, str, bool]] = []
+    keep = guards_only_on({HostMaster: "TENSOR_MATCH"})
+
+    def recording(entries):
+        kept = keep(entries)
+        seen.extend((e.guard_type, e.orig_guard.originating_source.name, k) for e, k in zip(entries, kept))
+        return kept
+
+    layer = nn.Linear(4, 4)
+    for name, p in list(layer._parameters.items()):
+        layer._parameters[name] = nn.Parameter(HostMaster(p.detach(), torch.device("cpu")), requires_grad=False)
+    counter = CompileCounter()
+    compiled = torch.compile(layer, backend=counter, options={"guard_filter_fn": recording})
+    x = torch.randn(2, 4)
+    try:
+        with torch.no_grad():
+            compiled(x), compiled(x)
+            assert counter.frame_count == 1
+            on_weight = [(kind, k) for kind, name, k in seen if name.endswith("['weight']")]
+            assert ("TENSOR_MATCH", True) in on_weight and ("TENSOR_SUBCLASS_METADATA_MATCH", False) in on_weight
+            assert all(not k for kind, k in on_weight if kind != "TENSOR_MATCH")
+            assert not any(k for kind, name, k in seen if name.endswith(".host") or "__tensor_flatten__" in name)
+            layer._parameters["weight"] = nn.Parameter(HostMaster(torch.randn(4, 2), torch.device("cpu")),
+                                                       requires_grad=False)  # another master, another shape
+            with pytest.raises(Exception, match=r"\[2, 4\] X \[2, 4\]"):  # traced again: guards saw the new shape
+                compiled(x)
     finally:
         torch._dynamo.reset()

@@ -1,9 +1,11 @@
 """Graph breaks degrade, they do not refuse: a frame that dynamo runs without a graph (a graph break inside a
 loop: ``Tensor.item()``, a data-dependent size) still streams what it reads. The modules it calls run as their
-own offloaded graphs (`_RoutedPart`), never on host weights, with one warning per model naming the break."""
+own offloaded graphs (`_RoutedPart`), a weight it computes with directly is a host master read on demand, and one
+warning per model says what that cost, as measured (bytes, ops), and the fix."""
 
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -11,9 +13,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from offload_compiler import OffloadPolicy, offload_compile, reset_offload_stats
+from offload_compiler import OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
 from offload_compiler.offloaded import state_of
-from offload_compiler.testing import assert_traffic_matches_plan, tensors_of
+from offload_compiler.testing import assert_traffic_matches_plan, simulated_device, tensors_of
 
 
 class Tower(nn.Module):
@@ -105,7 +107,7 @@ def test_a_frame_run_without_a_graph_streams_what_its_modules_read(compiler):
             assert_traffic_matches_plan(m)  # bytes and fetches: exactly what the graphs that ran planned
     assert reads == []  # no module read a host master
     (warning,) = _skipping_frame_warnings(caught)  # one warning per model, naming the break and its cost
-    assert "tower" in warning and "item()" in warning and "hook-based offloader" in warning
+    assert "tower" in warning and "fetched" in warning and "hook-based offloader" in warning
 
 
 class DirectRead(nn.Module):
@@ -119,20 +121,33 @@ class DirectRead(nn.Module):
 
     def forward(self, x):
         for block in self.blocks:
-            x = block(x)
+            x = block(x) * self.scale  # ``scale`` read as a tensor, in the frame run without a graph
             if float(x.sum()) > 1e9:  # a graph break inside the loop
                 x = x * 0
-        return x * self.scale
+        return x
 
 
-def test_a_weight_read_as_a_tensor_without_a_graph_is_named_in_the_warning():
-    """No module call to route: ``scale`` is fetched by no graph. It is named in the one warning, not refused:
-    from the groups alone it looks the same as a weight the call did not use (an expert no token was routed to),
-    and refusing those would refuse models that plain torch.compile runs."""
-    m = offload_compile(DirectRead().eval(), OffloadPolicy(strategy="layerwise", device="cpu"))
-    with pytest.warns(UserWarning, match=r"without a graph.*blocks\.0.*\['scale'\] were fetched by no graph"):
-        with torch.no_grad():
-            m(torch.randn(2, 8))
+@pytest.mark.parametrize("device", ["cpu", simulated_device()])
+def test_a_weight_read_as_a_tensor_without_a_graph_is_read_on_demand_and_said_once_with_its_bytes(device):
+    """No module call to route: ``scale`` is a host master, read on demand for each of its two ops (on ``cpu`` in
+    place; on an accelerator a copy), counted, and the one warning per model gives the bytes and ops measured --
+    not refused, not read unseen."""
+    torch.manual_seed(0)
+    model, x = DirectRead().eval().requires_grad_(False), torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device))
+    scale = 8 * 4
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(2):
+            reset_offload_stats(m)
+            torch.testing.assert_close(m(x.to(device)).cpu(), expected)
+            assert offload_stats(m).on_demand_bytes == 2 * scale
+            assert_traffic_matches_plan(m)  # the blocks: each its own graph, exactly as planned
+    (warning,) = _skipping_frame_warnings(caught)
+    assert re.search(r"blocks\.0.*own offloaded graph.*1 weights it computed with directly were fetched on demand "
+                     rf"for each op \({2 * scale} B in 2 ops.*TORCH_LOGS=graph_breaks", warning), warning
 
 
 def test_a_part_met_by_the_users_torch_compile_is_still_a_boundary():
@@ -167,4 +182,69 @@ def test_qwen25_omni_thinker_audio_tower_streams_under_layerwise(compiler):
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=0 if compiler == "eager" else 1e-5,
                                    rtol=0 if compiler == "eager" else 1e-4)
+    assert len(_skipping_frame_warnings(caught)) == 1
+
+
+class NeverCompiled(DirectRead):
+    """A forward dynamo never compiles (``torch.compiler.disable``): the whole call runs without a graph of its own."""
+
+    @torch.compiler.disable
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * self.scale
+        return x
+
+
+def test_a_forward_run_without_any_graph_streams_and_is_not_refused():
+    """Its blocks stream as their own graphs and ``scale`` is read on demand, measured and said once (before,
+    the warning named ``scale`` as "fetched by no graph" and the CPU read it where it was, uncounted); a call
+    that ran no graph of the model's own is not refused."""
+    torch.manual_seed(0)
+    model, x = NeverCompiled().eval().requires_grad_(False), torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
+    with pytest.warns(UserWarning, match=r"without a graph.*blocks\.0.*on demand for each op \(64 B in 2 ops"), \
+            torch.no_grad():
+        assert torch.equal(m(x), expected)
+    assert offload_stats(m).on_demand_bytes == 64
+    assert_traffic_matches_plan(m)
+
+
+class ScaledAfterBlock(DirectRead):
+    """A graph the backend sees (``blocks.0``), then ``scaled``, a frame dynamo runs without a graph (a graph
+    break inside its loop) that reads ``scale`` as a tensor."""
+
+    def forward(self, x):
+        return self.scaled(self.blocks[1](self.blocks[0](x)))
+
+    def scaled(self, x):
+        for _ in range(2):
+            x = x * self.scale
+            if float(x.sum()) > 1e9:  # a graph break inside the loop
+                x = x * 0
+        return x
+
+
+def test_the_backend_route_streams_a_frame_without_a_graph_through_host_masters_too():
+    """``torch.compile(model, backend="omni_offload")``: after its first call the model holds host masters, as
+    with `offload_compile`, so ``scale``, read in the frame dynamo runs without a graph, is counted on demand
+    (before, that route kept plain weights: the read was silent on the CPU)."""
+    from offload_compiler.host_masters import HostMaster
+    torch.manual_seed(0)
+    model, x = ScaledAfterBlock().eval().requires_grad_(False), torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    compiled = torch.compile(copy.deepcopy(model), backend="omni_offload",
+                             options={"strategy": "layerwise", "device": "cpu"})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(compiled(x), expected)  # offloads the model
+        for _ in range(2):
+            reset_offload_stats(compiled)
+            torch.testing.assert_close(compiled(x), expected)
+    m = compiled._orig_mod
+    assert isinstance(m.scale, HostMaster) and isinstance(m.blocks[0].weight, HostMaster)
+    assert offload_stats(m).on_demand_bytes == 2 * 8 * 4
+    assert_traffic_matches_plan(m)
     assert len(_skipping_frame_warnings(caught)) == 1

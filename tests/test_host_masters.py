@@ -1,6 +1,7 @@
-"""Host masters on a device that is not the host: an offloaded weight's device is the compute device and its
-bytes stay in host memory, so no route can compute with host weights, and what a route reads outside an
-offloaded graph is fetched on demand and counted."""
+"""Host masters, on a device that is not the host (the simulated accelerator) and on ``cpu`` alike: an offloaded
+weight's device is the compute device and its bytes stay in host memory, so no route can compute with host
+weights unseen, and what a route reads outside an offloaded graph is fetched on demand (on ``cpu``: read in
+place) and counted."""
 
 import copy
 import io
@@ -16,23 +17,29 @@ from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matche
     simulated_device
 
 DEVICE = simulated_device()
+DEVICES = [DEVICE, "cpu"]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
 SPEC = ModelSpec(8, (BlockSpec("mlp", 8), BlockSpec("mlp", 8), BlockSpec("mlp", 8)), False, False, 3, 1)
 
 
-def _policy(**fields):
+def _policy(device=DEVICE, **fields):
     fields.setdefault("strategy", "layerwise")
-    return OffloadPolicy(device=DEVICE, compiler="eager", debug_poison=True, **fields)
+    return OffloadPolicy(device=device, compiler="eager", debug_poison=True, **fields)
 
 
-def _offloaded(**fields):
+def _offloaded(device=DEVICE, **fields):
     model, x = build_block_model(SPEC, seed=3)
     model.eval().requires_grad_(False)
-    return model, offload_compile(copy.deepcopy(model), _policy(**fields)), x
+    return model, offload_compile(copy.deepcopy(model), _policy(device, **fields)), x
 
 
 def _run(m, x):
     with torch.no_grad():
-        return m(x.to(DEVICE)).cpu()
+        return m(x.to(m.device)).cpu()
 
 
 def _plain(model, x):
@@ -40,29 +47,27 @@ def _plain(model, x):
         return model(x)
 
 
-def test_offloaded_weights_are_masters_on_the_device_and_plain_on_the_cpu():
-    model, m, x = _offloaded()
+def test_offloaded_weights_are_masters_on_every_device(device):
+    model, m, x = _offloaded(device)
     streamed = [p for p in m.parameters() if isinstance(p, HostMaster)]
-    assert streamed and all(p.device == torch.device(DEVICE) and p.host.device.type == "cpu" for p in streamed)
+    assert streamed and all(p.device == torch.device(device) and p.host.device.type == "cpu" for p in streamed)
     for p, q in zip(m.parameters(), model.parameters()):  # their bytes are the model's
         assert torch.equal(p.host, q)
-    on_cpu = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
-    assert not any(isinstance(p, HostMaster) for p in on_cpu.parameters())  # there the host is the device
 
 
-def test_tied_weights_stay_tied():
+def test_tied_weights_stay_tied(device):
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False)).eval()
     model[2].weight = model[0].weight
-    m = offload_compile(copy.deepcopy(model), _policy(strategy="sequential"))
+    m = offload_compile(copy.deepcopy(model), _policy(device, strategy="sequential"))
     assert m[2].weight is m[0].weight and isinstance(m[0].weight, HostMaster)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
-        torch.testing.assert_close(m(ids.to(DEVICE)).cpu(), model(ids))
+        torch.testing.assert_close(m(ids.to(device)).cpu(), model(ids))
 
 
-def test_state_dict_is_plain_host_tensors_that_torch_save_and_safetensors_take():
+def test_state_dict_is_plain_host_tensors_that_torch_save_and_safetensors_take(device):
     safetensors = pytest.importorskip("safetensors.torch")
-    model, m, x = _offloaded()
+    model, m, x = _offloaded(device)
     state = m.state_dict()
     assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in state.values())
     assert state.keys() == model.state_dict().keys()
@@ -78,8 +83,8 @@ def test_state_dict_is_plain_host_tensors_that_torch_save_and_safetensors_take()
 
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("change", ["load_state_dict", "data", "add_", "copy_"])
-def test_a_weight_changed_between_calls_is_what_the_next_call_reads(change, carry):
-    model, m, x = _offloaded(prefetch=1, prefetch_next_call=carry)
+def test_a_weight_changed_between_calls_is_what_the_next_call_reads(change, carry, device):
+    model, m, x = _offloaded(device, prefetch=1, prefetch_next_call=carry)
     _run(m, x), _run(m, x)  # with carry, the second call prefetches for the third: that copy is now stale
     new = torch.full_like(model.blocks[1].up.weight, 0.05)
     with torch.no_grad():
@@ -88,7 +93,7 @@ def test_a_weight_changed_between_calls_is_what_the_next_call_reads(change, carr
         elif change == "data":
             m.blocks[1].up.weight.data = new.clone()
         elif change == "add_":
-            m.blocks[1].up.weight.add_(new.to(DEVICE) - model.blocks[1].up.weight.to(DEVICE))
+            m.blocks[1].up.weight.add_(new.to(device) - model.blocks[1].up.weight.to(device))
         else:
             m.blocks[1].up.weight.copy_(new)
         model.blocks[1].up.weight.copy_(new)
@@ -100,10 +105,10 @@ def test_a_weight_changed_between_calls_is_what_the_next_call_reads(change, carr
         assert_traffic_matches_plan(m)
 
 
-def test_a_frame_run_without_a_graph_reads_weights_on_demand_on_the_device():
+def test_a_frame_run_without_a_graph_reads_weights_on_demand_counted(device):
     """A forward calling a function that dynamo must not compile, which reads a weight directly: that frame
-    runs without a graph; its read computes on a device copy of the weight, counted, never on host bytes,
-    while the blocks stream through their graph."""
+    runs without a graph; its read computes on a device copy of the weight (on ``cpu``: on the host bytes in
+    place), counted, while the blocks stream through their graph."""
     class Disabled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -122,7 +127,7 @@ def test_a_frame_run_without_a_graph_reads_weights_on_demand_on_the_device():
     torch.manual_seed(0)
     model = Disabled().eval().requires_grad_(False)
     x = torch.randn(2, 8)
-    m = offload_compile(copy.deepcopy(model), _policy(blocks_attr="blocks"))
+    m = offload_compile(copy.deepcopy(model), _policy(device, blocks_attr="blocks"))
     torch.testing.assert_close(_run(m, x), _plain(model, x))
     reset_offload_stats(m)
     _run(m, x)
@@ -132,8 +137,8 @@ def test_a_frame_run_without_a_graph_reads_weights_on_demand_on_the_device():
     assert offload_stats(m).bytes_transferred == blocks
 
 
-def test_remove_offload_gives_plain_weights_back_bit_for_bit():
-    model, m, x = _offloaded()
+def test_remove_offload_gives_plain_weights_back_bit_for_bit(device):
+    model, m, x = _offloaded(device)
     _run(m, x)
     plain = remove_offload(m)
     params = dict(plain.named_parameters())
@@ -143,8 +148,8 @@ def test_remove_offload_gives_plain_weights_back_bit_for_bit():
     torch.testing.assert_close(_plain(plain, x), _plain(model, x))
 
 
-def test_views_and_copies_of_a_master_move_no_bytes_to_the_device():
-    _, m, _ = _offloaded()
+def test_views_and_copies_of_a_master_move_no_bytes_to_the_device(device):
+    _, m, _ = _offloaded(device)
     w = m.blocks[0].up.weight
     reset_offload_stats(m)
     assert isinstance(w.T, HostMaster) and isinstance(w.detach(), HostMaster)
@@ -152,3 +157,16 @@ def test_views_and_copies_of_a_master_move_no_bytes_to_the_device():
     assert offload_stats(m).on_demand_bytes == 0
     assert "HostMaster" in repr(w)
 
+
+
+def test_a_weight_read_in_a_method_is_counted_on_the_cpu_too():
+    """``x @ m.proj.weight`` in a method no route knows of: on ``cpu`` the master computes on its host bytes in
+    place (no copy), and the read is counted as one outside the offloaded graph."""
+    model, m, x = _offloaded("cpu")
+    w = m.blocks[0].up.weight
+    reset_offload_stats(m)
+    with torch.no_grad():
+        got = torch.randn(2, w.shape[1]) @ w.T
+    assert type(got) is torch.Tensor and got.device.type == "cpu"
+    assert offload_stats(m).on_demand_bytes == w.numel() * w.element_size()
+    assert m._offload_runtime.on_demand.ops == 1

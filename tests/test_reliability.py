@@ -365,7 +365,9 @@ def test_remove_offload_gives_back_a_plain_equal_module(entry):
     with torch.no_grad():
         wrapped(x)
     plain = remove_offload(wrapped)
-    assert plain is model and list(plain.parameters()) == params  # the same objects
+    assert plain is model  # host masters replaced its parameters, as FSDP2's sharded parameters do (on either
+    # route): plain parameters again, equal, new objects
+    assert all(type(p) is nn.Parameter and torch.equal(p, q) for p, q in zip(plain.parameters(), params))
     for p in plain.parameters():  # each weight owns its storage again
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     _assert_whole(plain, snapshot, x, expected)
@@ -419,7 +421,7 @@ def test_weights_the_graph_does_not_hold_are_refused_not_read_from_host():
     m = offload_compile(model, strategy="layerwise", **CPU)
     m(x)
     model.head.weight = nn.Parameter(torch.randn_like(model.head.weight))  # replaced, not updated
-    with pytest.raises(RuntimeError, match=r"in place of head\.weight, which offloading does not hold.*"
+    with pytest.raises(RuntimeError, match=r"(in place of )?head\.weight, which offloading does not hold.*"
                                            r"remove_offload\(m\).*p\.data = new_tensor"):
         m(x)
     opts = {"strategy": "layerwise", "device": "cpu"}

@@ -11,6 +11,7 @@ from torch import nn
 
 from offload_compiler import (InfeasibleBudgetError, OffloadedModule, OffloadPolicy, offload_compile, offload_stats, plan_offload,
                               remove_offload, reset_offload_stats)
+from offload_compiler.host_masters import HostMaster
 from offload_compiler.testing import assert_traffic_matches_plan, tensors_of
 
 
@@ -113,7 +114,8 @@ def test_the_backend_handed_a_submodules_graph_offloads_the_compiled_model():
     with torch.no_grad():
         assert torch.equal(compiled(x), expected)
     assert isinstance(model, SkippedFrame) and isinstance(model, OffloadedModule)
-    assert offload_stats(model).fetch_count == 3
+    assert offload_stats(model).fetch_count == 3  # counted on by the runtime with masters (`_with_masters`)
+    assert all(isinstance(p, HostMaster) for p in model.parameters())
     for call in (compiled, model):
         reset_offload_stats(model)
         with torch.no_grad():

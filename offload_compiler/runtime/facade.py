@@ -103,7 +103,7 @@ class OffloadRuntime:
         self.on_demand = on_demand or OnDemand()
         self.on_demand.before_write = weakref.WeakMethod(self.wait_for_copies)
         self._state_dict_hooks: dict[int, tuple] = {}  # module id -> (module ref, handle)
-        if model is not None and is_accelerator(self.device):
+        if model is not None:
             for module in model.modules():
                 watch_state_dict(module, self._state_dict_hooks)
         self.graph_plans: list = []
@@ -255,7 +255,13 @@ class OffloadRuntime:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
         return describe(self)
 
+    def continue_stats(self, previous: "OffloadRuntime") -> None:
+        """``offload_stats`` counts on from ``previous``, the runtime this one replaced (the backend route's first,
+        over the traced plain weights): what its first call moved stays counted."""
+        self.transfers.continue_counters(previous.transfers)
+        self.on_demand.bytes += previous.on_demand.bytes
+
     def reset_stats(self) -> None:
         self.plan_calls = [0] * len(self.plan_calls)
         self.transfers.reset_counters()
-        self.on_demand.bytes = self.on_demand.ops = 0
+        self.on_demand.reset()

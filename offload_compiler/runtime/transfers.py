@@ -501,6 +501,14 @@ class TransferEngine:
                 sum(self.groups[g].nbytes for g in self._parked),
                 sum(self.groups[c.group].nbytes for c in self._carried.values()))
 
+    def continue_counters(self, previous: "TransferEngine") -> None:
+        """Count on from ``previous`` (a runtime this one replaced over the same weights): its bytes, fetches,
+        carry hits and peak, as if one runtime had moved them."""
+        self.bytes_transferred += previous.bytes_transferred
+        self.fetch_count += previous.fetch_count
+        self.carry_hits += previous.carry_hits
+        self.ledger.peak = max(self.ledger.peak, previous.ledger.peak)
+
     def reset_counters(self) -> None:
         self.bytes_transferred = 0
         self.disk_bytes_read = 0
