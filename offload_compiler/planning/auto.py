@@ -156,7 +156,8 @@ class OffloadPlan:
                           "weights_peak_bytes": p.weights_peak_bytes, "resident_bytes": p.resident_bytes,
                           "activation_bytes": p.activation_bytes, "fetches": p.fetches},
             "measured": {"median_time_s": self.measured_median_s, "calls": len(self.measured_s),
-                         "times_s": list(self.measured_s), "calibration_spread": self.rates.call_spread,
+                         "times_s": list(self.measured_s),
+                         "calibration_spread": None if self.rates is None else self.rates.call_spread,
                          "weights_peak_bytes": self.measured_peak_bytes},
             "search": {"optimal": self.solution.optimal, "nodes": self.solution.nodes,
                        "blocks_per_group_candidates": {str(k): v for k, v in self.candidates.items()}},
@@ -188,10 +189,11 @@ class OffloadPlan:
         lines.append(f"  predicted time {ms(p.time_s)} = call {ms(p.call_s)} + compute {ms(p.compute_s)} "
                      f"({ms(self.table.dispatch_s)} of op dispatch) + stalls {ms(p.stall_s)} "
                      f"({ms(p.transfer_s)} of transfers, {p.fetches} fetches)")
-        lines.append(f"  how far to trust it: the calibration's calls varied by {self.rates.call_spread:.0%} "
-                     f"(interquartile range / median; a few % on a quiet machine). A load on the machine while "
-                     f"calibrating or calling moves measured / predicted by about as much or more; the timed calls "
-                     f"below say how far, and refine the compute rates for later plans")
+        if self.rates is not None:
+            lines.append(f"  how far to trust it: the calibration's calls varied by {self.rates.call_spread:.0%} "
+                         f"(interquartile range / median; a few % on a quiet machine). A load on the machine while "
+                         f"calibrating or calling moves measured / predicted by about as much or more; the timed "
+                         f"calls below say how far, and refine the compute rates for later plans")
         if self.measured_s:
             ratio = self.measured_median_s / p.time_s if p.time_s else float("nan")
             low, high = min(self.measured_s), max(self.measured_s)
