@@ -56,7 +56,7 @@ from .components import DIT_MODULES, ENTRY_METHODS, pipeline_streamed
 from .errors import OffloadRefusal
 from .grouping import blocks_attr_within, component_block_groups, plan_groups
 from .host_masters import HostMaster
-from .policy import COMPONENT_STRATEGIES, OffloadPolicy
+from .policy import COMPONENT_STRATEGIES, OffloadPolicy, validate_device
 from .runtime import OffloadRuntime
 
 STATE_ATTR = "_offload_state"
@@ -280,9 +280,16 @@ class OffloadedModule(nn.Module):
         if dtype is not None:
             self._apply(None)
         if device is not None:
-            warnings.warn(f"offload_compiler: .to({device}) ignored: this module keeps its weights in host memory "
-                          f"and computes on {self.device}. To compute elsewhere: "
-                          f"offload_compile(remove_offload(m), policy.replace(device=...))", UserWarning, stacklevel=2)
+            try:  # a device this machine does not have is an error, as it is for a plain module
+                device = validate_device(device)
+            except ValueError as error:
+                raise RuntimeError(f"{type(self).__name__}.to({device}): {error}. The model is unchanged: it keeps "
+                                   f"its weights in host memory and computes on {self.device}") from None
+            if device != self.device:
+                warnings.warn(f"offload_compiler: .to({device}) ignored: this module keeps its weights in host "
+                              f"memory and computes on {self.device}. To compute elsewhere: "
+                              f"offload_compile(remove_offload(m), policy.replace(device=...))", UserWarning,
+                              stacklevel=2)
         return self
 
     def cuda(self, device: Any = None) -> "OffloadedModule":

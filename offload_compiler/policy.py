@@ -137,7 +137,7 @@ class OffloadPolicy:
         if strategy not in KNOWN:
             raise ValueError(f"strategy={self.strategy!r} is unknown; choose one of {KNOWN}")
         set_("strategy", strategy)
-        set_("device", str(_validate_device(self.device)))
+        set_("device", str(validate_device(self.device)))
         for name, low in (("prefetch", 0), ("blocks_per_group", 1)):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
@@ -275,7 +275,9 @@ def _refuse_unknown_fields(cls: type, fields: Mapping[str, Any]) -> None:
             raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}; {hint}")
 
 
-def _validate_device(device: Any) -> torch.device:
+def validate_device(device: Any) -> torch.device:
+    """``device`` as a torch.device that exists on this machine (None: the default one); a ValueError naming the
+    devices there are otherwise."""
     if device is None:
         return torch.device(default_device())
     try:

@@ -3,6 +3,7 @@
 import gc
 import resource
 import threading
+import warnings
 
 import pytest
 import torch
@@ -209,10 +210,16 @@ def test_meta_inputs_are_refused_with_the_reason():
 def test_to_device_warns_and_keeps_the_offload_dtype_changes_are_refused():
     model, x, expected, snapshot = _model()
     m = offload_compile(model, strategy="layerwise", **CPU)
+    from offload_compiler.testing import simulated_device
     with pytest.warns(UserWarning, match="ignored: this module keeps its weights in host memory"):
-        assert m.to("cuda") is m
-    with pytest.warns(UserWarning):
-        assert m.cuda() is m
+        assert m.to(simulated_device()) is m  # a device this machine has: the offload stays, said once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert m.to("cpu") is m  # where it computes already: nothing to say
+    if not torch.cuda.is_available():  # a device this machine lacks: an error, as for a plain module
+        for move in (lambda: m.to("cuda"), lambda: m.cuda()):
+            with pytest.raises(RuntimeError, match="not available on this machine.*The model is unchanged"):
+                move()
     for change in (lambda: m.half(), lambda: m.to(torch.float16), lambda: m.double()):
         with pytest.raises(RuntimeError, match="remove_offload\\(m\\).to\\(dtype\\)"):
             change()
