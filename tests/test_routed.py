@@ -224,3 +224,34 @@ def test_routed_experts_on_disk_are_read_expert_by_expert(tmp_path, from_checkpo
     per_expert = (2 * I * H + H * I) * 4
     assert stats.disk_bytes_read == stats.routed_bytes <= 2 * TOP_K * per_expert  # 2 layers x top_k experts
     assert stats.routed_bytes > 0
+
+
+@pytest.mark.slow  # ~20 s: a prefill, a decode step and two 6-token generates of a tiny Omni thinker
+def test_qwen3_omni_moe_thinker_decode_routes_its_text_experts():
+    """The Qwen3-Omni-MoE thinker (audio and vision encoders, a mixture-of-experts text model of 16 experts,
+    top_k 2): under layerwise a decode token at batch 1 moves the text model's non-expert weights and the
+    experts the router named, within 1.1 x the target; ``generate`` gives the plain model's tokens."""
+    pytest.importorskip("transformers")
+    from offload_compiler.testing.omni_models import omni_moe_thinker
+    model = omni_moe_thinker(experts=16, top_k=2)
+    plain = copy.deepcopy(model)
+    text = {n: p.numel() * 4 for n, p in plain.named_parameters()
+            if n.startswith(("model.language_model.", "lm_head."))}  # what text decode reads (no encoder)
+    expert_bytes = sum(b for n, b in text.items() if ".mlp.experts." in n)
+    other_bytes = sum(b for n, b in text.items() if ".mlp.experts." not in n)
+    assert expert_bytes > other_bytes
+    m = offload_compile(model, _policy())
+    ids = torch.randint(128, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+    moved, stats = decode_bytes(m, ids)
+    target = other_bytes + 2 / 16 * expert_bytes
+    assert moved <= 1.1 * target, f"decode moved {moved} B per token, target {target:.0f} B"
+    assert moved < other_bytes + expert_bytes / 2  # (every expert fetched whole would move 3.3x the target)
+    assert stats.routed_fetches == 2 * 2 and 0 < stats.routed_bytes <= 2 / 16 * expert_bytes
+    assert "routed model.language_model.layers.0.mlp.experts.gate_up_proj: at most 2 of 16" in describe_plan(m)
+
+    with torch.no_grad():
+        expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), expected)
