@@ -33,12 +33,27 @@ class Experts(nn.Module):
         return (out * top_k_weights.reshape(-1, 1)).view(x.shape[0], TOP_K, H).sum(1)
 
 
+class GroupedExperts(Experts):
+    """The same experts computed as transformers' ``grouped_mm`` implementation does: tokens sorted by expert,
+    the whole 3-D weight (transposed) read by ``grouped_mm`` with each expert's cumulative token count."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        ids, order = torch.sort(top_k_index.reshape(-1))
+        xs = x[order // TOP_K]
+        offs = torch.cumsum(torch.histc(ids.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+        gate, up = torch.nn.functional.grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, -1)
+        out = torch.nn.functional.grouped_mm(torch.nn.functional.silu(gate) * up,
+                                             self.down_proj.transpose(-2, -1), offs=offs)
+        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, order // TOP_K, out)
+
+
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, experts=Experts) -> None:
         super().__init__()
         self.proj = nn.Linear(H, H)
         self.router = nn.Linear(H, E, bias=False)
-        self.experts = Experts()
+        self.experts = experts()
 
     def forward(self, x):
         x = x + self.proj(x)
@@ -47,10 +62,10 @@ class Block(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, experts=Experts) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.layers = nn.ModuleList(Block(experts) for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -96,6 +111,43 @@ def test_decode_fetches_only_routed_experts_prefill_fetches_whole():
     assert "whole layers.0.experts" in describe_plan(m)
 
 
+def test_grouped_mm_decode_fetches_only_experts_with_tokens_offsets_remapped():
+    """``grouped_mm`` experts: the graph reads the whole (transposed) weight with offsets; a call whose rows
+    (tokens x top_k) are fewer than the experts copies the experts with tokens into that many rows and remaps
+    the offsets (experts without tokens become empty groups). 3 tokens: at most 6 of 16 experts, the groups
+    between them empty. (bf16: what a compiled ``F.grouped_mm`` takes.)"""
+    plain = TinyMoE(experts=GroupedExperts).to(torch.bfloat16)
+    expert_bytes = sum(p.numel() * 2 for n, p in plain.named_parameters() if "experts" in n)
+    other_bytes = sum(p.numel() * 2 for n, p in plain.named_parameters() if "experts" not in n)
+    per_expert = expert_bytes // (E * len(plain.layers))
+    m = offload_compile(copy.deepcopy(plain), _policy())
+    for tokens in (3, 1):  # (3 first: a later count but 1 would recompile with a symbolic one, fetched whole)
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens), dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(m(x), plain(x))  # (the first call compiles)
+            reset_offload_stats(m)
+            assert torch.equal(m(x), plain(x))
+        stats = assert_traffic_matches_plan(m)
+        with torch.no_grad():  # the experts the router picks, layer by layer
+            h, named = x, 0
+            for layer in plain.layers:
+                h = h + layer.proj(h)
+                named += torch.topk(layer.router(h).softmax(-1), TOP_K, dim=-1).indices.unique().numel()
+                h = h + layer.experts(h, *torch.topk(layer.router(h).softmax(-1), TOP_K, dim=-1)[::-1])
+        assert stats.routed_bytes == named * per_expert  # exactly the experts with tokens, each once
+        assert stats.bytes_transferred == other_bytes + stats.routed_bytes
+        assert stats.routed_fetches == 2 * len(plain.layers)
+        assert f"at most {tokens * TOP_K} of {E} experts per call" in describe_plan(m)
+    assert "offsets remapped" in describe_plan(m)
+
+    many = torch.randn(8, H, dtype=torch.bfloat16)  # 8 tokens x 2 >= 16 experts: fetched whole
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(many), plain(many))
+    stats = assert_traffic_matches_plan(m)
+    assert stats.routed_fetches == 0 and stats.bytes_transferred == expert_bytes + other_bytes
+
+
 def test_groups_split_the_experts_from_their_block():
     from offload_compiler.grouping import plan_groups
     names = [g.name for g in plan_groups(TinyMoE(), _policy())]
@@ -114,11 +166,12 @@ MOE_MODELS = {
 }
 
 
-def _moe(name: str, top_k: int, layers: int = 2):
+def _moe(name: str, top_k: int, layers: int = 2, implementation: str = "batched_mm"):
     transformers = pytest.importorskip("transformers")
     config_class, model_class, fields = MOE_MODELS[name]
     config = getattr(transformers, config_class)(**_LM, num_hidden_layers=layers, **fields(top_k))
-    config._experts_implementation = "batched_mm"  # experts gathered by router indices: what routes
+    # batched_mm: experts gathered by router indices; grouped_mm: read with offsets (both route)
+    config._experts_implementation = implementation
     torch.manual_seed(0)
     return getattr(transformers, model_class)(config).eval()
 
@@ -134,11 +187,14 @@ def decode_bytes(m, ids: torch.Tensor) -> tuple[int, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, top_k, compiler", [("qwen3_moe", 2, "eager"), ("qwen3_moe", 4, "eager"),
-                                                    ("olmoe", 2, "eager"), ("mixtral", 2, "eager"),
-                                                    ("qwen3_moe", 2, "inductor")])
-def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_k, compiler):
-    model = _moe(name, top_k)
+@pytest.mark.parametrize("name, top_k, compiler, implementation", [
+    ("qwen3_moe", 2, "eager", "batched_mm"), ("qwen3_moe", 4, "eager", "batched_mm"),
+    ("olmoe", 2, "eager", "batched_mm"), ("mixtral", 2, "eager", "batched_mm"),
+    ("qwen3_moe", 2, "inductor", "batched_mm"),
+    ("qwen3_moe", 2, "eager", "grouped_mm"), ("olmoe", 2, "eager", "grouped_mm"),
+    ("mixtral", 2, "eager", "grouped_mm"), ("qwen3_moe", 2, "inductor", "grouped_mm")])
+def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_k, compiler, implementation):
+    model = _moe(name, top_k, implementation=implementation)
     plain = copy.deepcopy(model)
     expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." in n)
     other_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." not in n)
@@ -255,3 +311,4 @@ def test_qwen3_omni_moe_thinker_decode_routes_its_text_experts():
     with torch.no_grad():
         expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
         assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
