@@ -252,6 +252,21 @@ def test_routed_fetch_on_the_simulated_accelerator():
         assert assert_traffic_matches_plan(m).routed_fetches == routed
 
 
+def test_grouped_mm_routed_fetch_on_the_simulated_accelerator():
+    """``grouped_mm`` experts on a device that is not the host: the offsets are read back to the host, the
+    experts with tokens copied into the device rows and the remapped offsets handed back on the device."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device()
+    plain = TinyMoE(experts=GroupedExperts).to(torch.bfloat16)
+    m = offload_compile(copy.deepcopy(plain), OffloadPolicy(strategy="layerwise", device=device, debug_poison=True))
+    for tokens in (3, 1):
+        x = torch.randn(tokens, H, dtype=torch.bfloat16)
+        reset_offload_stats(m)
+        with torch.no_grad():
+            assert torch.equal(m(x.to(device)).cpu(), plain(x))
+        assert assert_traffic_matches_plan(m).routed_fetches == 2 * len(plain.layers)
+
+
 @pytest.mark.parametrize("from_checkpoint", [False, True])
 def test_routed_experts_on_disk_are_read_expert_by_expert(tmp_path, from_checkpoint):
     """With the expert groups on disk (host_budget_gb), a decode step reads only the named experts' bytes from
