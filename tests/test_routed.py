@@ -297,8 +297,9 @@ def test_routed_experts_on_disk_are_read_expert_by_expert(tmp_path, from_checkpo
     assert stats.routed_bytes > 0
 
 
-@pytest.mark.slow  # ~20 s: a prefill, a decode step and two 6-token generates of a tiny Omni thinker
-def test_qwen3_omni_moe_thinker_decode_routes_its_text_experts():
+@pytest.mark.slow  # eager ~20 s, inductor ~90 s: a prefill, a decode step and two 6-token generates
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_qwen3_omni_moe_thinker_decode_routes_its_text_experts(compiler):
     """The Qwen3-Omni-MoE thinker (audio and vision encoders, a mixture-of-experts text model of 16 experts,
     top_k 2): under layerwise a decode token at batch 1 moves the text model's non-expert weights and the
     experts the router named, within 1.1 x the target; ``generate`` gives the plain model's tokens."""
@@ -311,10 +312,14 @@ def test_qwen3_omni_moe_thinker_decode_routes_its_text_experts():
     expert_bytes = sum(b for n, b in text.items() if ".mlp.experts." in n)
     other_bytes = sum(b for n, b in text.items() if ".mlp.experts." not in n)
     assert expert_bytes > other_bytes
-    m = offload_compile(model, _policy())
+    m = offload_compile(model, _policy(compiler=compiler))
     ids = torch.randint(128, 256, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(m(input_ids=ids).logits, plain(input_ids=ids).logits)
+        got, expected = m(input_ids=ids).logits, plain(input_ids=ids).logits
+    if compiler == "eager":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
     moved, stats = decode_bytes(m, ids)
     target = other_bytes + 2 / 16 * expert_bytes
