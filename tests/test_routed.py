@@ -138,14 +138,7 @@ def test_grouped_mm_decode_fetches_only_experts_with_tokens_offsets_remapped():
         assert stats.bytes_transferred == other_bytes + stats.routed_bytes
         assert stats.routed_fetches == 2 * len(plain.layers)
         assert f"at most {tokens * TOP_K} of {E} experts per call" in describe_plan(m)
-    assert "offsets remapped" in describe_plan(m)
-
-    many = torch.randn(8, H, dtype=torch.bfloat16)  # 8 tokens x 2 >= 16 experts: fetched whole
-    reset_offload_stats(m)
-    with torch.no_grad():
-        assert torch.equal(m(many), plain(many))
-    stats = assert_traffic_matches_plan(m)
-    assert stats.routed_fetches == 0 and stats.bytes_transferred == expert_bytes + other_bytes
+    assert "offsets remapped" in describe_plan(m)  # (a prefill fetching whole: the transformers models' test)
 
 
 def test_groups_split_the_experts_from_their_block():

@@ -64,9 +64,8 @@ def _route_grouped(graph: fx.Graph, env: dict[fx.Node, fx.Node], r: RoutedRead, 
         for view in r.views:  # transpose(-2, -1): a view of the compact copy as of the whole weight
             previous = weight
             weight = graph.call_method(view.target, (previous, *env[view].args[1:]))
-    fake = _value(r.node)
     weight_fake = _value(r.views[-1] if r.views else r.node.args[1])
-    if fake is not None and weight_fake is not None:  # shapes for later passes: bound experts, not all
+    if weight_fake is not None:  # shapes for later passes: bound experts, not all
         weight.meta["example_value"] = weight_fake.new_empty((r.bound, *weight_fake.shape[1:]))
         compact_offs.meta["example_value"] = _value(r.ids).new_empty((r.bound,))
     product.replace_input_with(operand if operand is not None else product.args[1], weight)
