@@ -76,7 +76,7 @@ def _route_grouped(graph: fx.Graph, env: dict[fx.Node, fx.Node], r: RoutedRead, 
 
 
 def routed_view(node: fx.Node) -> tuple[int, int, int] | None:
-    """(group, bound, expert bytes) of a ``routed`` node; None for any other node."""
+    """(group, bound, expert bytes) of a ``routed`` or ``routed_grouped`` node; None for any other node."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target._schema.name not in (
             "offload_compiler::routed", "offload_compiler::routed_grouped"):  # (by name: passes don't import `ops`)
