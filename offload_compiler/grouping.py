@@ -448,13 +448,48 @@ def expert_modules(model: nn.Module) -> dict[str, int]:
     return found
 
 
+def _shapes(module: nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
+
+
+def expert_lists(model: nn.Module) -> dict[str, str]:
+    """Mixture-of-experts blocks whose experts are modules of their own (the older Mixtral style: an
+    ``nn.ModuleList`` or ``nn.ModuleDict`` named ``experts`` of two or more modules with the same parameters):
+    the list's path -> the path of the module holding it (the block with the router)."""
+    found = {}
+    for path, module in model.named_modules():
+        if path.rsplit(".", 1)[-1] != "experts" or not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        children = list(module.children())
+        if len(children) > 1 and _shapes(children[0]) and all(_shapes(c) == _shapes(children[0]) for c in children):
+            found[path] = path.rsplit(".", 1)[0] if "." in path else ROOT
+    return found
+
+
+def _expert_list_group(name: str, lists: dict[str, str]) -> str | None:
+    """The group of weight ``name`` under `split_experts` for a list of expert modules: its expert's (``.experts.3``),
+    the rest of the block holding the list (its router, a shared expert), or None (elsewhere in the block)."""
+    for path, holder in lists.items():
+        if name.startswith(path + "."):
+            return path + "." + name[len(path) + 1:].split(".", 1)[0]
+        if holder != ROOT and name.startswith(holder + "."):
+            return holder
+    return None
+
+
 def split_experts(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
     """Under layerwise, a block's expert weights form a group of their own right after the block's group: a
     graph that reads them only by router indices can then fetch the experts named instead of the block's
     every expert (`passes.analysis.routed_reads`), while the rest of the block streams as before; a graph that
-    reads them whole (prefill) fetches both groups, the same bytes as one block group."""
-    experts = expert_modules(model)
-    if not experts:
+    reads them whole (prefill) fetches both groups, the same bytes as one block group.
+
+    Experts that are modules of their own (`expert_lists`) are called in a loop over the experts with tokens,
+    which dynamo cannot trace (a data-dependent branch): that loop runs without a graph and each module it
+    calls runs as its own offloaded graph, fetching the group holding its weights. So each expert is a group
+    (a call fetches that expert alone, not the block), and so is the rest of the block holding them (its
+    router, called from the loop's frame too, fetches that, not the block again)."""
+    experts, lists = expert_modules(model), expert_lists(model)
+    if not experts and not lists:
         return groups
     out: list[GroupSpec] = []
     for group in groups:
@@ -464,13 +499,16 @@ def split_experts(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
             owner = _owner(w.name)
             if owner in experts and w.tensor.dim() >= 2 and w.tensor.shape[0] == experts[owner]:
                 split.setdefault(owner, []).append(w)
+            elif (listed := _expert_list_group(w.name, lists)) is not None and listed != group.name:
+                split.setdefault(listed, []).append(w)
             else:
                 rest.append(w)
         if not split or not rest:
             out.append(group)
             continue
         out.append(dataclasses.replace(group, weights=tuple(rest)))
-        out += [GroupSpec(path, tuple(ws), group.streamed, True, group.exclusive, experts=True) for path, ws in split.items()]
+        out += [GroupSpec(path, tuple(ws), group.streamed, True, group.exclusive, experts=path in experts)
+                for path, ws in split.items()]
     return out
 
 

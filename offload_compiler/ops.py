@@ -115,6 +115,27 @@ _define("routed(int runtime, int group, int slot, Tensor ids, int bound, int exp
         _fake_routed)
 
 
+def routed_grouped(runtime: int, group: int, slot: int, offs: torch.Tensor, bound: int, expert_bytes: int
+                   ) -> list[torch.Tensor]:
+    """An expert weight read as a grouped product's operand with offsets (transformers' ``grouped_mm``
+    experts, `passes.routed`): only the experts with tokens are copied, into ``bound`` rows, and returned
+    with the offsets remapped to them (``[weight, offsets]``; the rows past the experts named hold no tokens).
+    Fresh tensors, as for `routed`."""
+    return runtime_by_id(runtime).routed_grouped(group, slot, offs, bound, expert_bytes)
+
+
+def _fake_routed_grouped(runtime: int, group: int, slot: int, offs: torch.Tensor, bound: int, expert_bytes: int
+                         ) -> list[torch.Tensor]:
+    rt = runtime_by_id(runtime)
+    leaf = rt.groups[group].slots[slot].leaves[0]
+    dtype = rt.groups[group].buckets[leaf.bucket].dtype
+    return [offs.new_empty((bound, *leaf.shape[1:]), dtype=dtype, device=rt.device), offs.new_empty((bound,))]
+
+
+_define("routed_grouped(int runtime, int group, int slot, Tensor offs, int bound, int expert_bytes) -> Tensor[]",
+        routed_grouped, _fake_routed_grouped)
+
+
 def materialize(value: torch.Tensor) -> torch.Tensor:
     """A copy of a weight reader's value, placed right after the reader; later nodes use the copy, and the
     weight's evict follows it. Inductor lowers in graph order and may otherwise re-compute a pointwise reader

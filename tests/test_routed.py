@@ -33,12 +33,27 @@ class Experts(nn.Module):
         return (out * top_k_weights.reshape(-1, 1)).view(x.shape[0], TOP_K, H).sum(1)
 
 
+class GroupedExperts(Experts):
+    """The same experts computed as transformers' ``grouped_mm`` implementation does: tokens sorted by expert,
+    the whole 3-D weight (transposed) read by ``grouped_mm`` with each expert's cumulative token count."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        ids, order = torch.sort(top_k_index.reshape(-1))
+        xs = x[order // TOP_K]
+        offs = torch.cumsum(torch.histc(ids.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+        gate, up = torch.nn.functional.grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, -1)
+        out = torch.nn.functional.grouped_mm(torch.nn.functional.silu(gate) * up,
+                                             self.down_proj.transpose(-2, -1), offs=offs)
+        out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, order // TOP_K, out)
+
+
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, experts=Experts) -> None:
         super().__init__()
         self.proj = nn.Linear(H, H)
         self.router = nn.Linear(H, E, bias=False)
-        self.experts = Experts()
+        self.experts = experts()
 
     def forward(self, x):
         x = x + self.proj(x)
@@ -47,10 +62,10 @@ class Block(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, experts=Experts) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.layers = nn.ModuleList(Block(experts) for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -96,6 +111,36 @@ def test_decode_fetches_only_routed_experts_prefill_fetches_whole():
     assert "whole layers.0.experts" in describe_plan(m)
 
 
+def test_grouped_mm_decode_fetches_only_experts_with_tokens_offsets_remapped():
+    """``grouped_mm`` experts: the graph reads the whole (transposed) weight with offsets; a call whose rows
+    (tokens x top_k) are fewer than the experts copies the experts with tokens into that many rows and remaps
+    the offsets (experts without tokens become empty groups). 3 tokens: at most 6 of 16 experts, the groups
+    between them empty. (bf16: what a compiled ``F.grouped_mm`` takes.)"""
+    plain = TinyMoE(experts=GroupedExperts).to(torch.bfloat16)
+    expert_bytes = sum(p.numel() * 2 for n, p in plain.named_parameters() if "experts" in n)
+    other_bytes = sum(p.numel() * 2 for n, p in plain.named_parameters() if "experts" not in n)
+    per_expert = expert_bytes // (E * len(plain.layers))
+    m = offload_compile(copy.deepcopy(plain), _policy())
+    for tokens in (3, 1):  # (3 first: a later count but 1 would recompile with a symbolic one, fetched whole)
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens), dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(m(x), plain(x))  # (the first call compiles)
+            reset_offload_stats(m)
+            assert torch.equal(m(x), plain(x))
+        stats = assert_traffic_matches_plan(m)
+        with torch.no_grad():  # the experts the router picks, layer by layer
+            h, named = x, 0
+            for layer in plain.layers:
+                h = h + layer.proj(h)
+                named += torch.topk(layer.router(h).softmax(-1), TOP_K, dim=-1).indices.unique().numel()
+                h = h + layer.experts(h, *torch.topk(layer.router(h).softmax(-1), TOP_K, dim=-1)[::-1])
+        assert stats.routed_bytes == named * per_expert  # exactly the experts with tokens, each once
+        assert stats.bytes_transferred == other_bytes + stats.routed_bytes
+        assert stats.routed_fetches == 2 * len(plain.layers)
+        assert f"at most {tokens * TOP_K} of {E} experts per call" in describe_plan(m)
+    assert "offsets remapped" in describe_plan(m)  # (a prefill fetching whole: the transformers models' test)
+
+
 def test_groups_split_the_experts_from_their_block():
     from offload_compiler.grouping import plan_groups
     names = [g.name for g in plan_groups(TinyMoE(), _policy())]
@@ -114,11 +159,12 @@ MOE_MODELS = {
 }
 
 
-def _moe(name: str, top_k: int, layers: int = 2):
+def _moe(name: str, top_k: int, layers: int = 2, implementation: str = "batched_mm"):
     transformers = pytest.importorskip("transformers")
     config_class, model_class, fields = MOE_MODELS[name]
     config = getattr(transformers, config_class)(**_LM, num_hidden_layers=layers, **fields(top_k))
-    config._experts_implementation = "batched_mm"  # experts gathered by router indices: what routes
+    # batched_mm: experts gathered by router indices; grouped_mm: read with offsets (both route)
+    config._experts_implementation = implementation
     torch.manual_seed(0)
     return getattr(transformers, model_class)(config).eval()
 
@@ -134,11 +180,14 @@ def decode_bytes(m, ids: torch.Tensor) -> tuple[int, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, top_k, compiler", [("qwen3_moe", 2, "eager"), ("qwen3_moe", 4, "eager"),
-                                                    ("olmoe", 2, "eager"), ("mixtral", 2, "eager"),
-                                                    ("qwen3_moe", 2, "inductor")])
-def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_k, compiler):
-    model = _moe(name, top_k)
+@pytest.mark.parametrize("name, top_k, compiler, implementation", [
+    ("qwen3_moe", 2, "eager", "batched_mm"), ("qwen3_moe", 4, "eager", "batched_mm"),
+    ("olmoe", 2, "eager", "batched_mm"), ("mixtral", 2, "eager", "batched_mm"),
+    ("qwen3_moe", 2, "inductor", "batched_mm"),
+    ("qwen3_moe", 2, "eager", "grouped_mm"), ("olmoe", 2, "eager", "grouped_mm"),
+    ("mixtral", 2, "eager", "grouped_mm"), ("qwen3_moe", 2, "inductor", "grouped_mm")])
+def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_k, compiler, implementation):
+    model = _moe(name, top_k, implementation=implementation)
     plain = copy.deepcopy(model)
     expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." in n)
     other_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." not in n)
@@ -196,6 +245,21 @@ def test_routed_fetch_on_the_simulated_accelerator():
         assert assert_traffic_matches_plan(m).routed_fetches == routed
 
 
+def test_grouped_mm_routed_fetch_on_the_simulated_accelerator():
+    """``grouped_mm`` experts on a device that is not the host: the offsets are read back to the host, the
+    experts with tokens copied into the device rows and the remapped offsets handed back on the device."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device()
+    plain = TinyMoE(experts=GroupedExperts).to(torch.bfloat16)
+    m = offload_compile(copy.deepcopy(plain), OffloadPolicy(strategy="layerwise", device=device, debug_poison=True))
+    for tokens in (3, 1):
+        x = torch.randn(tokens, H, dtype=torch.bfloat16)
+        reset_offload_stats(m)
+        with torch.no_grad():
+            assert torch.equal(m(x.to(device)).cpu(), plain(x))
+        assert assert_traffic_matches_plan(m).routed_fetches == 2 * len(plain.layers)
+
+
 @pytest.mark.parametrize("from_checkpoint", [False, True])
 def test_routed_experts_on_disk_are_read_expert_by_expert(tmp_path, from_checkpoint):
     """With the expert groups on disk (host_budget_gb), a decode step reads only the named experts' bytes from
@@ -224,3 +288,129 @@ def test_routed_experts_on_disk_are_read_expert_by_expert(tmp_path, from_checkpo
     per_expert = (2 * I * H + H * I) * 4
     assert stats.disk_bytes_read == stats.routed_bytes <= 2 * TOP_K * per_expert  # 2 layers x top_k experts
     assert stats.routed_bytes > 0
+
+
+@pytest.mark.slow  # eager ~20 s, inductor ~90 s: a prefill, a decode step and two 6-token generates
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_qwen3_omni_moe_thinker_decode_routes_its_text_experts(compiler):
+    """The Qwen3-Omni-MoE thinker (audio and vision encoders, a mixture-of-experts text model of 16 experts,
+    top_k 2): under layerwise a decode token at batch 1 moves the text model's non-expert weights and the
+    experts the router named, within 1.1 x the target; ``generate`` gives the plain model's tokens."""
+    pytest.importorskip("transformers")
+    from offload_compiler.testing.omni_models import omni_moe_thinker
+    model = omni_moe_thinker(experts=16, top_k=2)
+    plain = copy.deepcopy(model)
+    text = {n: p.numel() * 4 for n, p in plain.named_parameters()
+            if n.startswith(("model.language_model.", "lm_head."))}  # what text decode reads (no encoder)
+    expert_bytes = sum(b for n, b in text.items() if ".mlp.experts." in n)
+    other_bytes = sum(b for n, b in text.items() if ".mlp.experts." not in n)
+    assert expert_bytes > other_bytes
+    m = offload_compile(model, _policy(compiler=compiler))
+    ids = torch.randint(128, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, expected = m(input_ids=ids).logits, plain(input_ids=ids).logits
+    if compiler == "eager":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+    moved, stats = decode_bytes(m, ids)
+    target = other_bytes + 2 / 16 * expert_bytes
+    assert moved <= 1.1 * target, f"decode moved {moved} B per token, target {target:.0f} B"
+    assert moved < other_bytes + expert_bytes / 2  # (every expert fetched whole would move 3.3x the target)
+    assert stats.routed_fetches == 2 * 2 and 0 < stats.routed_bytes <= 2 / 16 * expert_bytes
+    assert "routed model.language_model.layers.0.mlp.experts.gate_up_proj: at most 2 of 16" in describe_plan(m)
+
+    with torch.no_grad():
+        expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+        self.w2 = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class ListMoE(nn.Module):
+    """Experts as a ``ModuleList`` of modules, called in a loop over the experts with tokens (transformers 4's
+    ``MixtralSparseMoeBlock``): the ``continue`` is data-dependent, dynamo runs the loop without a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP() for _ in range(E))
+
+    def forward(self, x):
+        weights, selected = torch.topk(self.gate(x).softmax(-1), TOP_K, dim=-1)
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(selected, E).permute(2, 1, 0)
+        for e in range(E):
+            k, token = torch.where(mask[e])
+            if token.shape[0] == 0:
+                continue
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, k, None])
+        return out
+
+
+class ListBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.moe = ListMoE()
+
+    def forward(self, x):
+        x = x + self.proj(x)
+        return x + self.moe(x)
+
+
+class ListModel(nn.Module):
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(ListBlock() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_module_list_experts_are_groups_of_their_own():
+    from offload_compiler.grouping import plan_groups
+    names = [g.name for g in plan_groups(ListModel(), _policy())]
+    assert names[:4] == ["layers.0", "layers.0.moe", "layers.0.moe.experts.0", "layers.0.moe.experts.1"]
+    assert names[2 + E] == "layers.1" and len(names) == 4 * (2 + E)
+
+
+@pytest.mark.slow  # ~20 s: each expert called compiles a graph of its own, for 1 and 3 tokens
+@pytest.mark.filterwarnings("ignore:offload_compiler. dynamo runs part")  # the loop's graph break, expected
+def test_module_list_experts_fetch_each_called_expert_alone():
+    """A ``ModuleList`` of experts: each expert is a group, and so is the rest of the block holding them (the
+    router). The loop over experts with tokens runs without a graph, and each expert it calls fetches its own
+    group: a decode token moves the non-expert weights once and the top_k experts of each layer, exactly.
+    (Before, each called expert fetched its whole block: at 4 layers 22x these bytes, 4x the whole model.)"""
+    plain = ListModel()
+    m = offload_compile(copy.deepcopy(plain), _policy())
+    per_expert = sum(p.numel() * 4 for p in plain.layers[0].moe.experts[0].parameters())
+    other_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if ".experts." not in n)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            assert torch.equal(m(x), plain(x))
+            reset_offload_stats(m)
+            assert torch.equal(m(x), plain(x))
+        stats = offload_stats(m)
+        with torch.no_grad():  # the experts each layer's router picks
+            h, called = x, 0
+            for layer in plain.layers:
+                h = h + layer.proj(h)
+                called += torch.topk(layer.moe.gate(h), TOP_K, dim=-1).indices.unique().numel()
+                h = h + layer.moe(h)
+        assert stats.bytes_transferred == other_bytes + called * per_expert
+        if tokens == 1:
+            assert called == TOP_K * len(plain.layers)

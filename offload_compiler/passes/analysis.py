@@ -191,17 +191,24 @@ def collect_uses(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], stream
 
 @dataclasses.dataclass(frozen=True)
 class RoutedRead:
-    """A read of an expert weight ``w[ids]`` by router indices (transformers' ``batched_mm`` experts): the
-    graph needs only the experts ``ids`` names, at most ``bound`` of the weight's ``experts`` (the index's
-    element count, fixed by the graph's shapes, capped at the expert count)."""
-    node: fx.Node
-    ids: fx.Node
+    """A read of an expert weight by router indices: ``w[ids]`` (transformers' ``batched_mm`` experts), or
+    ``grouped_mm(x, view(w), offs=offs)`` (its ``grouped_mm`` experts: tokens sorted by expert, ``offs`` the
+    cumulative token count per expert). The graph needs only the experts named (``ids``, or those with tokens
+    in ``offs``), at most ``bound`` of the weight's ``experts`` (the index's element count, or the grouped
+    product's rows, fixed by the graph's shapes, capped at the expert count)."""
+    node: fx.Node  # the ``w[ids]`` getitem, or the grouped product
+    ids: fx.Node  # the router index, or the offsets
     group: int
     slot: int
     name: str
     experts: int
     bound: int
     expert_bytes: int  # one expert's bytes of this weight
+    views: tuple[fx.Node, ...] = ()  # grouped: the views from the weight to the product's operand (a transpose)
+
+    @property
+    def grouped(self) -> bool:
+        return self.node.target is not operator.getitem
 
     @property
     def bound_bytes(self) -> int:
@@ -222,12 +229,60 @@ def _router_index(node: fx.Node, placeholder: fx.Node) -> fx.Node | None:
     return index
 
 
+def _is_grouped_mm(node: fx.Node) -> bool:
+    """``torch._grouped_mm``, ``F.grouped_mm``, or transformers' fallback op (matched by name: transformers
+    registers it, and may not be imported)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)):
+        return True
+    name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "_schema", None), "name", None)
+    return name == "transformers::grouped_mm_fallback"
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """``w.transpose(-2, -1)`` on a 3-D weight (how transformers hands an expert weight to grouped_mm): the
+    experts stay along the first dimension, which the offsets index."""
+    if node.op != "call_method" or node.target != "transpose" or len(node.args) != 3 or node.kwargs:
+        return False
+    value = _value(node.args[0])
+    return isinstance(value, torch.Tensor) and value.dim() == 3 and {a % 3 for a in node.args[1:]
+                                                                    if isinstance(a, int)} == {1, 2}
+
+
+def _grouped_read(user: fx.Node, placeholder: fx.Node, experts: int
+                  ) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...], int] | None:
+    """(the product, its offsets, the views between, its rows) when ``user`` starts a read of the weight as
+    the operand of a grouped product: ``grouped_mm(x, w.transpose(-2, -1), offs=offs)`` (or ``w`` itself).
+    The views must be read by the product alone."""
+    views: list[fx.Node] = []
+    node = user
+    while _swaps_last_two(node) and len(node.users) == 1:
+        views.append(node)
+        node = next(iter(node.users))
+    if not _is_grouped_mm(node) or len(node.args) < 2:
+        return None
+    operand = views[-1] if views else placeholder
+    offs = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+    if node.args[1] is not operand or not isinstance(offs, fx.Node):
+        return None
+    offs_value, rows = _value(offs), _value(node.args[0])
+    if not isinstance(offs_value, torch.Tensor) or offs_value.dim() != 1 or offs_value.shape[0] != experts or (
+            offs_value.dtype not in (torch.int32, torch.int64)) or not isinstance(rows, torch.Tensor):
+        return None
+    if any(v.args[0] is not (views[i - 1] if i else placeholder) for i, v in enumerate(views)):
+        return None
+    return node, offs, tuple(views), rows.shape[0]
+
+
 def routed_reads(weights: dict[fx.Node, WeightInput], streamed: set[int], routable: set[int]
                  ) -> dict[int, list[RoutedRead]]:
     """The streamed groups of ``routable`` (groups of expert weights) that this graph reads only through
-    router indices, with a bound below their expert count: group -> its reads. A group read whole anywhere
-    (the ``eager`` or ``grouped_mm`` experts, an index of symbolic size) or whose bound is all its experts
-    (prefill: tokens x top_k >= E) is left out: it is fetched whole, as any group."""
+    router indices (``w[ids]``, or as a grouped product's operand with offsets), with a bound below their
+    expert count: group -> its reads. A group read whole anywhere (the ``eager`` experts, an index of symbolic
+    size) or whose bound is all its experts (prefill: tokens x top_k >= E) is left out: it is fetched whole,
+    as any group."""
     found: dict[int, list[RoutedRead]] = {}
     whole: set[int] = set()
     for placeholder, w in weights.items():
@@ -238,18 +293,23 @@ def routed_reads(weights: dict[fx.Node, WeightInput], streamed: set[int], routab
         if not isinstance(value, torch.Tensor) or is_traceable_subclass(value) or value.dim() < 2:
             whole.add(w.group)
             continue
+        experts = value.shape[0]
         for user in users:
             ids = _router_index(user, placeholder)
-            numel = _value(ids).shape[0] if ids is not None else None
+            read, views = user, ()
+            if ids is not None:
+                numel = _value(ids).shape[0]
+            else:  # grouped_mm: at most one expert per row of the product has tokens
+                grouped = _grouped_read(user, placeholder, experts)
+                read, ids, views, numel = grouped if grouped is not None else (user, None, (), None)
             if ids is None or not isinstance(numel, int):
                 whole.add(w.group)
                 break
-            experts = value.shape[0]
             bound = min(numel, experts)
             if bound >= experts:
                 whole.add(w.group)
                 break
             expert_bytes = value[0].numel() * value.element_size()
             found.setdefault(w.group, []).append(
-                RoutedRead(user, ids, w.group, w.slot, w.name, experts, bound, expert_bytes))
+                RoutedRead(read, ids, w.group, w.slot, w.name, experts, bound, expert_bytes, views))
     return {g: rs for g, rs in found.items() if g not in whole}

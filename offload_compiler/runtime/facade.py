@@ -125,7 +125,7 @@ class OffloadRuntime:
         t = self.transfers
         self.prefetch, self.wait, self.wait_weights, self.evict = t.prefetch, t.wait, t.wait_weights, t.evict
         self.resident, self.resident_weights, self.run_transfer = t.resident, t.resident_weights, t.run_transfer
-        self.routed = t.routed
+        self.routed, self.routed_grouped = t.routed, t.routed_grouped
         self.actual_group = t.actual_group  # a subclass weight's rebuild, eagerly once per call
         register(self)
 

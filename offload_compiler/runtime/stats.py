@@ -103,8 +103,9 @@ def _expert_lines(runtime, plan) -> list[str]:
     lines = []
     for r in plan.routed:
         name = runtime.groups[r.group].slots[r.slot].name  # (as compiled: a remapped call reads another layer's)
+        how = ", offsets remapped" if r.grouped else ""  # a grouped product's operand (`grouped_mm` experts)
         lines.append(f"    routed {name}: at most {r.bound} of {r.experts} experts per call "
-                     f"({readable_bytes(r.bound_bytes)} slot, {readable_bytes(r.expert_bytes)} per expert)")
+                     f"({readable_bytes(r.bound_bytes)} slot, {readable_bytes(r.expert_bytes)} per expert{how})")
     routed = {r.group for r in plan.routed}
     whole = sorted({i.group for i in plan.schedule.instances if i.group in runtime.expert_groups} - routed)
     for group in whole:

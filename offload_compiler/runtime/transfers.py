@@ -146,8 +146,33 @@ class TransferEngine:
     def routed(self, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int) -> torch.Tensor:
         """``weight[ids]`` for an expert weight read by router indices: the distinct experts ``ids`` names (at
         most ``bound``, the planned slot's size) are copied from the host into the slot, and the result is
-        gathered from there with the indices remapped to the slot's rows. The copy is synchronous: the op's
-        result is all the graph reads, so the slot is free again when the op returns."""
+        gathered from there with the indices remapped to the slot's rows."""
+        # the indices are the router's, on the device: the copy must know them on the host (one small read)
+        experts, rows = torch.unique(ids.to("cpu"), return_inverse=True)
+        return self._routed_gather(group, slot, experts, rows, bound, expert_bytes)
+
+    def routed_grouped(self, group: int, slot: int, offs: torch.Tensor, bound: int, expert_bytes: int
+                       ) -> list[torch.Tensor]:
+        """An expert weight read as a grouped product's operand (``grouped_mm(x, w, offs)``, the tokens sorted
+        by expert, ``offs`` each expert's cumulative token count): the experts with tokens (at most ``bound``)
+        are copied into ``bound`` rows, and the offsets remapped to them. The tokens stay where they are: the
+        j-th expert with tokens ends at its own offset, and an expert without tokens is an empty group, so
+        ``offs`` at the experts named, padded with the last offset (empty groups), is the compact weight's."""
+        host_offs = offs.to("cpu")  # (on an accelerator, one small read as for `routed`)
+        counts = torch.diff(host_offs, prepend=host_offs.new_zeros(1))
+        experts = counts.nonzero().flatten()
+        count = experts.numel()
+        # the rows past the experts named repeat the last one (no tokens read them): a device-side gather
+        rows = torch.arange(bound).clamp_(max=max(count - 1, 0))
+        weight = self._routed_gather(group, slot, experts, rows, bound, expert_bytes)
+        compact = torch.cat([host_offs[experts], host_offs[-1:].expand(bound - count)])
+        return [weight, compact.to(offs.device)]
+
+    def _routed_gather(self, group: int, slot: int, experts: torch.Tensor, rows: torch.Tensor, bound: int,
+                       expert_bytes: int) -> torch.Tensor:
+        """Copy ``experts`` (host indices, distinct) of a weight into its fixed slot and gather ``rows`` of the
+        slot into a fresh tensor. The copy is synchronous: the op's result is all the graph reads, so the slot
+        is free again when the op returns."""
         group = self.actual_group(group)
         g = self.groups[group]
         if not g.packed:
@@ -159,8 +184,6 @@ class TransferEngine:
         leaf = g.slots[slot].leaves[0]
         bucket = g.buckets[leaf.bucket]
         dtype = bucket.dtype
-        # the indices are the router's, on the device: the copy must know them on the host (one small read)
-        experts, rows = torch.unique(ids.to("cpu"), return_inverse=True)
         count = experts.numel()
         if count > bound or expert_bytes != math.prod(leaf.shape[1:]) * dtype.itemsize:
             raise AssertionError(f"routed fetch of {g.slots[slot].name}: {count} experts named, slot for {bound}")

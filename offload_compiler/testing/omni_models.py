@@ -1,5 +1,7 @@
 """Tiny random-weight Qwen2.5-Omni models (transformers ``qwen2_5_omni``) built from configs, no downloads.
 
+* :func:`omni_moe_thinker` -> a Qwen3-Omni-MoE thinker (``qwen3_omni_moe``), its text model a mixture of experts.
+
 * :func:`omni_thinker` -> ``(Qwen2_5OmniThinkerForConditionalGeneration, kwargs)`` for ONE forward that mixes
   text + image + audio (the vision and audio encoders both run).
 * :func:`omni_full` -> ``Qwen2_5OmniForConditionalGeneration`` (thinker + talker + token2wav),
@@ -185,6 +187,37 @@ def omni_thinker(seed: int = 0, grid_thw: tuple[int, int, int] = (1, 4, 8), audi
         "use_cache": False,
     }
     return model, kwargs
+
+
+def omni_moe_thinker(seed: int = 0, experts: int = 16, top_k: int = 2, layers: int = 2,
+                     experts_implementation: str = "batched_mm") -> nn.Module:
+    """Tiny ``Qwen3OmniMoeThinkerForConditionalGeneration`` (transformers ``qwen3_omni_moe``): audio and vision
+    encoders and a mixture-of-experts text model of ``layers`` layers, each with ``experts`` fused experts
+    (``gate_up_proj [E, 64, 64]``, ``down_proj [E, 64, 32]``) of which the router picks ``top_k``. The experts
+    run ``experts_implementation`` (transformers' ``batched_mm`` gathers them by router indices)."""
+    from transformers.models.qwen3_omni_moe import (Qwen3OmniMoeThinkerConfig,
+                                                    Qwen3OmniMoeThinkerForConditionalGeneration)
+
+    heads = 4
+    head_dim = TEXT_HIDDEN // heads
+    text = dict(vocab_size=TEXT_VOCAB, hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim,
+                max_position_embeddings=1024, moe_intermediate_size=TEXT_HIDDEN // 2, num_experts=experts,
+                num_experts_per_tok=top_k, decoder_sparse_step=1,
+                rope_parameters={**_rope(head_dim), "interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=IN_CHANNELS,
+                  patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH,
+                  out_hidden_size=TEXT_HIDDEN, num_position_embeddings=64, deepstack_visual_indexes=[0])
+    audio = dict(num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                 max_source_positions=64, n_window=8, output_dim=TEXT_HIDDEN, downsample_hidden_size=16,
+                 n_window_infer=16, conv_chunksize=50)
+    config = Qwen3OmniMoeThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, audio_token_id=AUDIO_TOKEN,
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, audio_start_token_id=AUDIO_START,
+        vision_start_token_id=VISION_START, user_token_id=USER_TOKEN)
+    config.text_config._experts_implementation = experts_implementation
+    _seeded(seed)
+    return Qwen3OmniMoeThinkerForConditionalGeneration(config).eval()
 
 
 # ----------------------------------------------------------------------------------------------------------------
