@@ -133,8 +133,12 @@ class HostMaster(torch.Tensor):
         first = args[0] if args else None
         if isinstance(first, HostMaster):
             if func.is_view:  # a view of the weight is a view of its host bytes, still on the compute device
-                # taken of the tensor the bytes were cut from (the same elements): storage sharing stays visible
-                return HostMaster(func(viewed(first.host), *args[1:], **kwargs), first.device, first.account)
+                # taken of the tensor the bytes were cut from (the same elements): storage sharing stays visible;
+                # split, chunk and unbind give a list of views, each a master
+                views = func(viewed(first.host), *args[1:], **kwargs)
+                if isinstance(views, (list, tuple)):
+                    return type(views)(HostMaster(v, first.device, first.account) for v in views)
+                return HostMaster(views, first.device, first.account)
             if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
                 return func(first.host, **{"device": first.device, **kwargs})
             if func._schema.is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
@@ -165,8 +169,15 @@ def _on_host(func, args: tuple, kwargs: dict):
 
 
 def _fakifiable(host: torch.Tensor) -> torch.Tensor:
-    """Dynamo fakifies a subclass only where its inner tensor starts at its storage's first byte."""
-    return own_storage(host) if host.storage_offset() else host
+    """Dynamo fakifies a subclass only where its inner tensor starts at its storage's first byte. A view made
+    while a trace propagates fake tensors (a master's ``w[3]`` or ``w.split(...)`` in the traced code) has no
+    bytes to alias, and needs none: it is never fakified again."""
+    if not host.storage_offset():
+        return host
+    try:
+        return own_storage(host)
+    except NotImplementedError:  # a fake or meta tensor's storage cannot be sliced
+        return host
 
 
 def _host_operand(value: Any, host_device: torch.device) -> Any:

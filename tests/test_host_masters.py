@@ -159,6 +159,37 @@ def test_views_and_copies_of_a_master_move_no_bytes_to_the_device(device):
 
 
 
+class _SplitWeight(nn.Module):
+    """A forward that splits, chunks and unbinds a weight (Wan's and DiT's modulation tables do): views that come
+    as a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(12, 12) for _ in range(2))
+        self.table = nn.Parameter(torch.randn(4, 12))
+
+    def forward(self, x):
+        a, b, c = self.table[:3].split([4, 4, 4], dim=1)
+        d, _ = self.table[3].chunk(2)
+        rows = self.table.unbind(0)
+        for block in self.blocks:
+            x = block(x) * a.sum() + b.mean() + c[0, 0] + d.sum() + rows[1].sum()
+        return x
+
+
+def test_views_that_come_as_a_list_are_masters_too(device):
+    """split/chunk/unbind of a master give a list of masters, in a capture (fake tensors) and outside it."""
+    torch.manual_seed(0)
+    model = _SplitWeight().eval().requires_grad_(False)
+    m = offload_compile(copy.deepcopy(model), _policy(device, strategy="sequential"))
+    x = torch.randn(2, 12)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    parts = m.table.split([4, 8], dim=1)
+    assert len(parts) == 2 and all(isinstance(p, HostMaster) for p in parts)
+    assert all(isinstance(r, HostMaster) for r in m.table.unbind(0))
+    assert torch.equal(parts[1].cpu(), model.table[:, 4:])
+
+
 def test_a_weight_read_in_a_method_is_counted_on_the_cpu_too():
     """``x @ m.proj.weight`` in a method no route knows of: on ``cpu`` the master computes on its host bytes in
     place (no copy), and the read is counted as one outside the offloaded graph."""
