@@ -6,7 +6,8 @@ fill in flight before the host writes a buffer a fill may read (`wait_all`). A r
 overlaps the compute of the calling thread.
 
 Groups in host memory are copied inline: measured on a tiny Llama's decode under inductor on 2 cores
-(`benchmarks/decode.py`, 2026-11-25), handing each copy of about 0.8 MB to the thread made a token 1.73x plain
+(`benchmarks/decode.py`, 2026-11-25, on a machine shared with other runs; the threaded variant was not kept, so
+no committed command reproduces it), handing each copy of about 0.8 MB to the thread made a token 1.73x plain
 against 1.29x inline — the worker waits for the GIL while the calling thread runs Python, and a memcpy on the
 CPU competes with compute for the same memory bandwidth; a disk read waits on the disk instead.
 """

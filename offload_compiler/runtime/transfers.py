@@ -236,8 +236,11 @@ class TransferEngine:
         if slot.ready is not None:
             self._copy_on_stream(slot, group)
             return
+        if not group.on_disk:  # the common fill: no disk bookkeeping on the hot path
+            _copy_group(buffers, group)
+            return
         self.disk_bytes_read += sum(b.nbytes for b in group.buckets if b.file is not None)
-        if self.copier is not None and group.on_disk:  # a read waits on the disk: beside compute (`copier`)
+        if self.copier is not None:  # a read waits on the disk: beside compute (`copier`)
             slot.pending = self.copier.submit(lambda: _copy_group(buffers, group))
         else:
             _copy_group(buffers, group)
