@@ -85,15 +85,21 @@ class HostMaster(torch.Tensor):
 
     host: torch.Tensor
     account: Callable[[], OnDemand | None] | None
+    # the weight this master is a view of (``w[0]``, ``w.detach()``, ``w.data``), None for the weight itself:
+    # a write through a view is a write to the weight, which the runtime sees in the weight's version only
+    root: "HostMaster | None"
 
     @staticmethod
-    def __new__(cls, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False):
+    def __new__(cls, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False,
+                root: "HostMaster | None" = None):
         return torch.Tensor._make_wrapper_subclass(cls, host.shape, strides=host.stride(), dtype=host.dtype,
                                                    device=device, requires_grad=requires_grad)
 
-    def __init__(self, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False):
+    def __init__(self, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False,
+                 root: "HostMaster | None" = None):
         self.host = _fakifiable(host)
         self.account = account
+        self.root = root
 
     def __repr__(self) -> str:  # no data: printing a weight must not fetch it
         return (f"HostMaster(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
@@ -136,9 +142,10 @@ class HostMaster(torch.Tensor):
                 # taken of the tensor the bytes were cut from (the same elements): storage sharing stays visible;
                 # split, chunk and unbind give a list of views, each a master
                 views = func(viewed(first.host), *args[1:], **kwargs)
+                root = first.root if first.root is not None else first
                 if isinstance(views, (list, tuple)):
-                    return type(views)(HostMaster(v, first.device, first.account) for v in views)
-                return HostMaster(views, first.device, first.account)
+                    return type(views)(HostMaster(v, first.device, first.account, root=root) for v in views)
+                return HostMaster(views, first.device, first.account, root=root)
             if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
                 return func(first.host, **{"device": first.device, **kwargs})
             if func._schema.is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
@@ -149,6 +156,8 @@ class HostMaster(torch.Tensor):
                 rest = tree_map(lambda a: _host_operand(a, host.device), (args[1:], kwargs))
                 func(host, *rest[0], **rest[1])
                 torch.autograd.graph.increment_version(host)
+                if first.root is not None:
+                    torch.autograd.graph.increment_version(first.root.host)
                 return first
         args, kwargs = tree_map(lambda a: _counted(a) if isinstance(a, HostMaster) else a, (args, kwargs))
         return func(*args, **kwargs)
@@ -204,8 +213,10 @@ def with_host_masters(model: nn.Module, specs: list, device: torch.device, accou
             tensor = w.tensor
             if type(tensor) in (torch.Tensor, nn.Parameter) and id(tensor) not in masters:
                 master = HostMaster(tensor.detach(), device, account)
-                masters[id(tensor)] = nn.Parameter(master, requires_grad=tensor.requires_grad) \
-                    if isinstance(tensor, nn.Parameter) else master
+                if isinstance(tensor, nn.Parameter):
+                    master = nn.Parameter(master, requires_grad=tensor.requires_grad)
+                    master.root = None  # a parameter is made as a view of its data: it is the weight itself
+                masters[id(tensor)] = master
     replace_tensors(model, masters)
     return [dataclasses.replace(spec, weights=tuple(dataclasses.replace(w, tensor=masters.get(id(w.tensor), w.tensor))
                                                     for w in spec.weights)) for spec in specs]

@@ -203,15 +203,20 @@ def test_a_weight_read_in_a_method_is_counted_on_the_cpu_too():
     assert m._offload_runtime.on_demand.ops == 1
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 25): p.data of a master is a new master whose host "
-                   "writes bump the version of its own inner tensor, not the weight's, so the runtime's stamp "
-                   "misses the write and the resident copy stays stale")
-def test_a_write_through_data_to_a_resident_weight_is_seen_by_the_next_call(device):
-    """``p.data.mul_(2)`` writes through ``.data`` (which a plain tensor's version counter does not see): on a
-    master it is a mutation of its host bytes, so the resident copy made before is stale and fetched again."""
+@pytest.mark.parametrize("through", ["data", "row", "detach", "split"])
+def test_a_write_through_a_view_of_a_resident_weight_is_seen_by_the_next_call(through, device):
+    """``p.data.mul_(2)``, ``p[0].mul_(2)``, ``p.detach().mul_(2)``, ``p.split(...)[1].zero_()``: a view of a
+    master is a master over the same host bytes, and a write through it is a write to the weight, so the
+    resident copy made before is stale and fetched again (a packed weight's host bytes are an alias with a
+    version counter of its own: the view says which weight it views)."""
     model, m, x = _offloaded(device, strategy="none")
     _run(m, x)
     with torch.no_grad():
-        m.blocks[1].up.weight.data.mul_(2)
-        model.blocks[1].up.weight.data.mul_(2)
+        for w in (m.blocks[1].up.weight, model.blocks[1].up.weight):
+            view = {"data": lambda: w.data, "row": lambda: w[0], "detach": lambda: w.detach(),
+                    "split": lambda: w.split(2)[1]}[through]()
+            view.mul_(2)
+    assert not torch.equal(m.blocks[1].up.weight.cpu(), _offloaded(device)[0].blocks[1].up.weight)
+    reset_offload_stats(m)
     torch.testing.assert_close(_run(m, x), _plain(model, x))
+    assert offload_stats(m).on_demand_bytes == 0
