@@ -329,6 +329,64 @@ def test_a_tiny_llama_generates_as_on_the_cpu():
     assert torch.equal(got.cpu(), expected)
 
 
+def test_kernels_the_cpu_lacks_compute_as_cuda_does():
+    """Convolutions (an out-of-tree device's reach ``convolution_overrideable``) and ``histc`` of integers (which
+    CUDA counts and the CPU kernel refuses) run on the device, so models using them run here as on CUDA."""
+    torch.manual_seed(0)
+    for conv, x in ((nn.Conv1d(4, 6, 3, groups=2, padding=1), torch.randn(2, 4, 9)),
+                    (nn.Conv2d(3, 5, 3, stride=2), torch.randn(1, 3, 8, 8)),
+                    (nn.ConvTranspose2d(3, 2, 2), torch.randn(1, 3, 4, 4))):
+        conv.requires_grad_(False)
+        got = copy.deepcopy(conv).to(DEVICE)(x.to(DEVICE))
+        assert got.device.type == "sim"
+        torch.testing.assert_close(got.cpu(), conv(x))
+    ids = torch.tensor([0, 3, 3, 1, 7, 3], dtype=torch.int32)
+    counts = torch.histc(ids.to(DEVICE), bins=8, min=0, max=7)
+    assert counts.dtype == torch.int32 and counts.cpu().tolist() == [1, 1, 0, 3, 0, 0, 0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mamba2", "gpt_oss"])
+def test_a_causal_conv_or_grouped_experts_model_streams_on_the_device(kind):
+    """A Mamba2 (causal conv1d) and a gpt-oss (experts grouped with ``histc`` counts, the path transformers takes
+    off the CPU) stream under layerwise on the device: logits equal the CPU model's, traffic equals the plan."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    extra = {"mamba2": dict(num_heads=8, n_groups=1, state_size=16, expand=2),
+             "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"] * 2)}[kind]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **small, **extra)).eval()
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+    m = offload_compile(copy.deepcopy(model), _policy(prefetch=1))
+    reset_offload_stats(m)
+    with torch.no_grad():
+        got = m(input_ids=ids.to(DEVICE), use_cache=False).logits
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+    stats = assert_traffic_matches_plan(m)
+    assert stats.on_demand_bytes == 0 and stats.peak_resident_bytes < 0.5 * stats.total_bytes
+
+
+@pytest.mark.slow
+def test_a_convolutional_autoencoder_streams_on_the_device():
+    """diffusers' AutoencoderKL (2D convolutions, group norms, an attention mid-block) on the device."""
+    from offload_compiler.testing.models import vae_roundtrip
+    model, kwargs = vae_roundtrip()
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        expected = model(**kwargs)
+    m = offload_compile(copy.deepcopy(model), _policy(prefetch=1))
+    reset_offload_stats(m)
+    with torch.no_grad():
+        got = m(**{k: v.to(DEVICE) for k, v in kwargs.items()})
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+    stats = assert_traffic_matches_plan(m)
+    assert stats.on_demand_bytes == 0 and stats.peak_resident_bytes < 0.5 * stats.total_bytes
+
+
 def test_omni_offload_refuses_a_mode_it_would_ignore():
     """Defect 12: ``mode="reduce-overhead"`` reached the backend's ``**_`` and was silently dropped."""
     model, x = _model()

@@ -15,7 +15,8 @@ How it is built (torch's public extension points for an out-of-tree backend, no 
   torch frees them like any storage and the allocator hears of it (memory counters, the reuse rule);
 - one catch-all fallback kernel for the key: view ops run torch's own CPU kernels on the device tensors
   (they only touch metadata), every other op runs on CPU views of its device arguments and its fresh
-  outputs are copied into new device memory.
+  outputs are copied into new device memory; where the CPU kernel does not do what CUDA's does (convolutions
+  reach ``convolution_overrideable`` off the CPU and CUDA; ``histc`` of integers), `_CUDA_KERNELS` stands in.
 
 The checker (`_Checker`) keeps a vector clock per stream: an op on stream S ticks S's own entry, an event
 snapshots the clock of the stream it is recorded on, and a wait joins that snapshot into the waiting
@@ -531,13 +532,37 @@ def _kernel(op, *args, **kwargs):
                 dst = host_view(args[1])
             result = dst.copy_(src)
         else:
-            result = op(*prepared.args, **prepared.kwargs)
+            result = _CUDA_KERNELS.get(op, op)(*prepared.args, **prepared.kwargs)
             prepared.finish_outs()
         _after_copy(checker, op, prepared, args, kwargs, stream, tick)
         result = _outputs(checker, op, result, prepared, stream)
         if checker.capture is not None and stream.id in checker.capture.streams:
             checker.capture.ops.append((op, args, kwargs, result))
         return result
+
+
+def _histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+    """CUDA's ``histc`` counts integer tensors too (the CPU kernel refuses them; transformers' grouped MoE counts
+    tokens per expert so): counted as float, returned in the input's dtype, as CUDA returns it."""
+    if values.is_floating_point():
+        return torch.histc(values, bins, min, max)
+    return torch.histc(values.double(), bins, min, max).to(values.dtype)
+
+
+def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """An out-of-tree device's convolutions reach ``convolution_overrideable``, which has no CPU kernel: the
+    device's kernel is torch's convolution on the CPU views. (No backward: autograd on an out-of-tree device needs
+    hooks registered in C++, and offloading is for inference.)"""
+    return torch.ops.aten.convolution.default(input, weight, bias, stride, padding, dilation, transposed,
+                                              output_padding, groups)
+
+
+# the simulated device's kernels for ops whose CPU kernel does not do what the CUDA one does, so that a model
+# that runs on CUDA runs here; every other op runs torch's own CPU kernel on CPU views of the device memory
+_CUDA_KERNELS = {
+    torch.ops.aten.histc.default: _histc,
+    torch.ops.aten.convolution_overrideable.default: _convolution,
+}
 
 
 def _after_copy(checker: _Checker, op, prepared: _Args, args, kwargs, stream: Stream, tick: int) -> None:
@@ -728,7 +753,9 @@ def _module() -> types.ModuleType:
 # ops that make a device tensor from host data: ``torch.tensor(data, device=...)`` runs them with the Python key
 # excluded (under a fake mode: inside dynamo's trace), where torch's trampoline for a fallback written in Python
 # fails to find the op ("func != nullptr"); a kernel registered for the op itself is found
-_DIRECT_OPS = ("empty.memory_format", "empty_strided", "copy_", "_copy_from", "_copy_from_and_resize", "lift_fresh")
+_DIRECT_OPS = ("empty.memory_format", "empty_strided", "copy_", "_copy_from", "_copy_from_and_resize", "lift_fresh",
+               # and ops whose kernel for every backend key raises (an out-of-tree device must register its own)
+               "convolution_overrideable")
 
 
 def _register_direct(library: torch.library.Library) -> None:
