@@ -2,8 +2,8 @@
 
 Each offloaded call, before and after its graph runs, does per-call work that does not depend on the model's
 compute: it lifts the routed parts (`_RoutedPart`, one per module holding weights) and puts them back
-(`OffloadState.tracing_through`), enters what dynamo's config needs for the call (`_dynamo.config_for_call`:
-nothing on a steady call, since our compiles carry `_dynamo.capture_config` themselves; a library without it
+(`OffloadState.tracing_through`), enters what dynamo's config needs for the call (`_torch_private.config_for_call`:
+nothing on a steady call, since our compiles carry `_torch_private.capture_config` themselves; a library without it
 entered that config patch around every call), snapshots dynamo's graph-break counters, and checks every hook
 dict (`HookWatch.change`, twice); it also looks at every tensor among the call's arguments (moved to the device
 if elsewhere, `_OffloadedForward._inputs_on_device`), timed on a decode step's arguments (``input_ids``, a KV
@@ -43,7 +43,7 @@ def _call_config(state):
     """What a call enters for dynamo's config: ``config_for_call`` where the library has it, else the patch that
     every call entered before it (so that this script times either tree, before and after)."""
     try:
-        from offload_compiler._dynamo import config_for_call
+        from offload_compiler._torch_private import config_for_call
     except ImportError:
         return lambda: state.limits
     forward = state.forwards[(state.owner, "forward")]

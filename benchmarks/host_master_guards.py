@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from offload_compiler._dynamo import guards_only_on
+from offload_compiler._torch_private import guards_only_on
 from offload_compiler.host_masters import HostMaster
 
 

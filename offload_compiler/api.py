@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ._dynamo import compiled_module_of
+from ._torch_private import compiled_module_of
 from .storage import forget_filled
 from .checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_layout
 from .errors import OffloadSavingWarning

@@ -240,4 +240,4 @@ def _not_held(rt: OffloadRuntime, what: str) -> str:
             f"offload_compile(m, policy) (to change weights in place, assign p.data = new_tensor or load_state_dict); "
             f"or this is another {rt.model_name} sharing dynamo's compiled code through "
             f"torch.compile(backend='omni_offload'): use offload_compiler.offload_compile(model, policy) for each "
-            f"model, or torch._dynamo.reset() between them")
+            f"model, or torch.compiler.reset() between them")

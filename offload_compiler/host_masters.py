@@ -29,9 +29,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from ._dynamo import inlined_only
+from ._torch_private import inlined_only, tree_map
 from .storage import own_storage, viewed
 
 aten = torch.ops.aten
@@ -129,8 +128,7 @@ class HostMaster(torch.Tensor):
             return None
         if func in _HOST_SIDE and isinstance(args[0], HostMaster) and args[0].device == args[0].host.device:
             return _on_host(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return torch.Tensor.__torch_function__(func, (), args, kwargs)  # the default, returning what func does
 
     @classmethod
     @torch.compiler.disable  # dynamo never traces a dispatch (it runs under fake tensors, as Python); called from
@@ -171,8 +169,7 @@ _HOST_SIDE = frozenset({torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy, t
 def _on_host(func, args: tuple, kwargs: dict):
     master = args[0]
     if func in (torch.Tensor.cpu, torch.Tensor.to):
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+        out = torch.Tensor.__torch_function__(func, (), args, kwargs)
         return master.host if out is master else out
     return func(master.host, *args[1:], **kwargs)
 

@@ -31,6 +31,8 @@ import torch
 import torch.fx as fx
 
 from ._registry import runtime_by_id
+from ._torch_private import inductor_compile, inductor_fallback, inductor_graph, is_inductor_fallback_kernel, \
+    register_inductor_lowering
 from .ops import transfer_direct
 from .passes.fuse import fuse_transfers
 from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
@@ -139,10 +141,9 @@ ALIGNMENT = 16  # bytes: what inductor assumes of an extern kernel's outputs unl
 
 def compile_for_inductor(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime, num_outputs: int):
     """``gm`` (a rewritten, verified graph) fused (`passes.fuse`) and compiled with inductor."""
-    from torch._inductor.compile_fx import compile_fx
     register_transfer_lowering()
     fused = fuse_transfers(gm, runtime.plan_transfer, runtime.layout, num_outputs)
-    return compile_fx(fused, example_inputs, config_patches=_INDUCTOR_CONFIG)
+    return inductor_compile(fused, example_inputs, config_patches=_INDUCTOR_CONFIG)
 
 
 _registered = False
@@ -155,21 +156,20 @@ def register_transfer_lowering() -> None:
     global _registered
     if _registered:
         return
-    from torch._inductor.lowering import fallback_handler, register_lowering
-    from torch._inductor.virtualized import V
-    fallback = fallback_handler(OPS.transfer.default, add_to_fallback_set=False)
+    fallback = inductor_fallback(OPS.transfer.default)
 
-    @register_lowering(OPS.transfer.default, type_promotion_kind=None)
+    @register_inductor_lowering(OPS.transfer.default)
     def transfer(runtime: int, plan: int, deps: list):
         leaves = fallback(runtime, plan, deps)
         _call_directly(leaves)
         rt = runtime_by_id(runtime)
         group = rt.groups[rt.transfer_group(plan)]
+        graph = inductor_graph()
         for out, leaf in zip(leaves, group.leaves):
             name = out.get_name()
-            V.graph.never_reuse_buffers.add(name)
+            graph.never_reuse_buffers.add(name)
             if leaf.offset * group.buckets[leaf.bucket].dtype.itemsize % ALIGNMENT:
-                V.graph.unaligned_buffers.add(name)
+                graph.unaligned_buffers.add(name)
         return leaves
 
     _registered = True
@@ -185,14 +185,14 @@ def _call_directly(leaves: list) -> None:
     `OffloadRuntime.run_transfer`, so nothing else changes. An IR this function does not recognise (a torch
     version that shapes it otherwise) keeps the op: correct, only slower. (Our graphs never use inductor's C++
     wrapper: `_INDUCTOR_CONFIG`.)"""
-    from torch._inductor.virtualized import V
     kernel = _fallback_kernel(leaves)
     if kernel is None:
         return
     codegen = kernel.codegen
 
     def direct_codegen(wrapper) -> None:
-        if not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False):
+        graph = inductor_graph()
+        if not graph.cpp_wrapper and not getattr(graph, "fx_wrapper", False):
             wrapper.add_import_once(f"from {transfer_direct.__module__} import "
                                     f"{transfer_direct.__name__} as {DIRECT_TRANSFER}")
             kernel.python_kernel_name = DIRECT_TRANSFER
@@ -203,9 +203,8 @@ def _call_directly(leaves: list) -> None:
 
 def _fallback_kernel(leaves: list):
     """The one extern kernel whose outputs ``leaves`` are (TensorBox → StorageBox → MultiOutput → kernel)."""
-    from torch._inductor import ir
     node = leaves[0] if leaves else None
     for _ in range(2):
         node = getattr(node, "data", None)
     kernel = next(iter(getattr(node, "inputs", None) or ()), None)
-    return kernel if isinstance(kernel, ir.FallbackKernel) else None
+    return kernel if is_inductor_fallback_kernel(kernel) else None

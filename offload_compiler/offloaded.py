@@ -42,13 +42,12 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dynamo import capture_config, compile_under_config, compiled_models, compiled_module_of, config_for_call, \
-    constant_while_tracing, guards_only_on, inlined_only, is_tracing_error, leave_fullgraph_region, model_error, \
-    own_refusal, restore_fullgraph_region, static_shapes, symbolic_sizes, user_frame
+from ._torch_private import capture_config, compile_under_config, compiled_models, compiled_module_of, \
+    config_for_call, filter_fake_tensor_log, guards_only_on, inlined_only, is_tracing_error, leave_fullgraph_region, \
+    model_error, own_refusal, pytree, restore_fullgraph_region, symbolic_sizes, user_frame
 from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
 from .planning.planner import GIB, InfeasibleBudgetError
 from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
@@ -87,7 +86,7 @@ class OffloadState:
     ended: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     limits: Any = dataclasses.field(default_factory=capture_config)  # entered around a call only where its
-    #   compiles cannot carry it themselves (`_dynamo.config_for_call`)
+    #   compiles cannot carry it themselves (`_torch_private.config_for_call`)
 
     def __post_init__(self) -> None:
         if self.modules is None and isinstance(self.owner, nn.Module):
@@ -276,7 +275,7 @@ class OffloadedModule(nn.Module):
                         "parameter names), or the model returned by remove_offload(m)")
 
     def to(self, *args: Any, **kwargs: Any) -> "OffloadedModule":
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype = _to_target(*args, **kwargs)
         if dtype is not None:
             self._apply(None)
         if device is not None:
@@ -456,7 +455,7 @@ class _OffloadedForward:
 
     def _compile(self, runtime: OffloadRuntime) -> Any:
         """The module's forward compiled with our backend; dynamo's raised limits and logging calls traced as no-ops
-        (`_dynamo.capture_config`) are in force while it compiles, not while it runs."""
+        (`_torch_private.capture_config`) are in force while it compiles, not while it runs."""
         self._compiled = compile_under_config(_own_frame(self.forward), backend=RuntimeBackend(runtime),
                                               fullgraph=runtime.policy.fullgraph,
                                               options={"guard_filter_fn": _PART_GUARDS})  # popped by torch
@@ -476,7 +475,7 @@ class _OffloadedForward:
             raise failure
         if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes, outside
             try:                        # the handler above, so that the retry's chain holds only its own errors
-                with static_shapes():
+                with torch.compiler.config.patch(automatic_dynamic_shapes=False):  # the call's own sizes
                     return compiled(*args, **kwargs)
             except Exception as again:
                 static_error = model_error(again) if is_tracing_error(again) else None
@@ -526,6 +525,22 @@ class _OffloadedForward:
             warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
                           f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=5)
         return args, kwargs, needs_grad
+
+
+def _to_target(*args: Any, device: Any = None, dtype: torch.dtype | None = None, **_: Any) \
+        -> tuple[torch.device | None, torch.dtype | None]:
+    """The device and dtype that ``module.to(*args, **kwargs)`` names, in the forms ``Tensor.to`` documents:
+    ``to(device, dtype)``, ``to(dtype)``, ``to(tensor)``, by keyword too (``non_blocking``, ``copy`` and
+    ``memory_format`` say nothing of either). Not validated: a device this machine lacks is the caller's error."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].device, args[0].dtype
+    if args and isinstance(args[0], torch.dtype):
+        dtype = args[0]
+    elif args:
+        device = args[0]
+        if len(args) > 1 and isinstance(args[1], torch.dtype):
+            dtype = args[1]
+    return (None if device is None else torch.device(device)), dtype
 
 
 _ATOMS = (bool, int, float, str, type(None))
@@ -609,7 +624,7 @@ class _CallDepth(threading.local):
 _OFFLOADED_CALLS = _CallDepth()
 
 
-@constant_while_tracing
+@torch.compiler.assume_constant_result  # read once while dynamo traces, a constant of the graph with no guard
 def _tracing_an_offloaded_call() -> bool:
     """Whether the graph dynamo traces now is one of our offloaded calls' (our backend: its graphs run only
     inside offloaded calls) rather than the user's ``torch.compile`` of code that calls a part. A constant of
@@ -757,7 +772,7 @@ class _QuietOwnErrors(logging.Filter):
         return True
 
 
-logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietOwnErrors())
+filter_fake_tensor_log(_QuietOwnErrors())
 
 
 def _group_names(state: OffloadState, model: nn.Module) -> list[str]:

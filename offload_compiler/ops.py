@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import runtime_by_id
+from ._torch_private import profiler_enabled
 
 NAMESPACE = "offload_compiler"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -75,7 +76,7 @@ def transfer(runtime: int, plan: int, deps: list[torch.Tensor]) -> tuple[torch.T
 def transfer_direct(runtime: int, plan: int, deps: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """`transfer` as inductor's generated code calls it, past the dispatcher (`lowering._call_directly`); under
     a profiler it still shows as the op."""
-    if torch._C._autograd._profiler_enabled():
+    if profiler_enabled():
         with torch.profiler.record_function("offload_compiler::transfer"):
             return runtime_by_id(runtime).run_transfer(plan)
     return runtime_by_id(runtime).run_transfer(plan)

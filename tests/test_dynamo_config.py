@@ -1,6 +1,6 @@
 """Dynamo's config while an offloaded model compiles and while it runs: raised recompile limits and logging calls
-traced as no-ops (`_dynamo.capture_config`) are in force exactly while dynamo compiles the frames of an offloaded
-call (`_dynamo.compile_under_config`); a steady call enters no config patch, and code the user compiles keeps
+traced as no-ops (`_torch_private.capture_config`) are in force exactly while dynamo compiles the frames of an offloaded
+call (`_torch_private.compile_under_config`); a steady call enters no config patch, and code the user compiles keeps
 torch's defaults."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
-from offload_compiler._dynamo import _ConfigDuringCompile, capture_config, compile_under_config, config_for_call
+from offload_compiler._torch_private import _ConfigDuringCompile, capture_config, compile_under_config, config_for_call
 from offload_compiler.testing import assert_traffic_matches_plan
 from test_trial_routes import Block
 
@@ -147,12 +147,12 @@ def test_the_users_own_compiles_keep_torchs_defaults():
 
 
 def test_a_torch_whose_structure_is_not_recognized_gets_the_patch_around_every_call(monkeypatch):
-    """Where dynamo's frame converters are not the ones `_dynamo.compile_under_config` knows, the function is
+    """Where dynamo's frame converters are not the ones `_torch_private.compile_under_config` knows, the function is
     compiled as torch.compile makes it and every offloaded call enters the config patch: slower, and correct."""
-    from offload_compiler import _dynamo
-    monkeypatch.setattr(_dynamo, "_CONVERTERS", ())
+    from offload_compiler import _torch_private
+    monkeypatch.setattr(_torch_private, "_CONVERTERS", ())
     _two_observed_calls()
-    assert [limit for limit, _, _ in seen] == [_dynamo.RECOMPILE_LIMIT] * 2  # the patch, around the call
+    assert [limit for limit, _, _ in seen] == [_torch_private.RECOMPILE_LIMIT] * 2  # the patch, around the call
     assert torch._dynamo.config.recompile_limit == 8
 
 

@@ -1,6 +1,6 @@
-"""The private dynamo helpers that routed parts rely on (`_dynamo.constant_while_tracing`, `inlined_only`,
-`guards_only_on`), each checked for exactly what is relied on, so that a torch upgrade that changes one fails
-here, by name, rather than as a slow or wrong offloaded call somewhere else."""
+"""The dynamo helpers that routed parts rely on (``torch.compiler.assume_constant_result``, and
+`_torch_private.inlined_only`, `guards_only_on`), each checked for exactly what is relied on, so that a torch
+upgrade that changes one fails here, by name, rather than as a slow or wrong offloaded call somewhere else."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
-from offload_compiler._dynamo import constant_while_tracing, guards_only_on, inlined_only
+from offload_compiler._torch_private import guards_only_on, inlined_only
 
 _flag = {"on": True}
 
 
-@constant_while_tracing
+@torch.compiler.assume_constant_result
 def _on() -> bool:
     return _flag["on"]
 
 
-def test_constant_while_tracing_is_read_once_at_trace_time_with_no_guard():
+def test_assume_constant_result_is_read_once_at_trace_time_with_no_guard():
     """Read while dynamo traces, its value is a constant of the graph: changing what it reads later neither
     recompiles nor changes the compiled result (what `_tracing_an_offloaded_call` relies on: no guard per call).
     Called from Python it answers live."""

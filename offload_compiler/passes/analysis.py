@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._torch_private import GROUPED_MM, OpOverload, op_schema, qualified_op_name
 from ..errors import OffloadRefusal
 from ..host_masters import host_of
 from ..subclasses import is_traceable_subclass, plain_leaves
@@ -70,7 +71,7 @@ def _is_inplace(node: fx.Node) -> bool:
         name = str(node.target)
     elif node.op == "call_function":
         name = getattr(node.target, "__name__", "")
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         if schema is not None and any(a.is_write for a in schema.arguments if a.alias_info is not None):
             return True
     else:
@@ -79,7 +80,7 @@ def _is_inplace(node: fx.Node) -> bool:
 
 
 def _is_offload_op(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "offload_compiler"
+    return isinstance(node.target, OpOverload) and node.target.namespace == "offload_compiler"
 
 
 _RETURNS_ITS_INPUT = {
@@ -230,15 +231,14 @@ def _router_index(node: fx.Node, placeholder: fx.Node) -> fx.Node | None:
 
 
 def _is_grouped_mm(node: fx.Node) -> bool:
-    """``torch._grouped_mm``, ``F.grouped_mm``, or transformers' fallback op (matched by name: transformers
-    registers it, and may not be imported)."""
+    """Torch's private grouped matmul (`GROUPED_MM`), ``F.grouped_mm``, or transformers' fallback op (matched
+    by name: transformers registers it, and may not be imported)."""
     if node.op != "call_function":
         return False
     target = node.target
-    if target in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)):
+    if target in (GROUPED_MM, getattr(torch.nn.functional, "grouped_mm", None)):
         return True
-    name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "_schema", None), "name", None)
-    return name == "transformers::grouped_mm_fallback"
+    return qualified_op_name(target) == "transformers::grouped_mm_fallback"
 
 
 def _swaps_last_two(node: fx.Node) -> bool:

@@ -25,7 +25,7 @@ OPS = torch.ops.offload_compiler
 # (not bmm: inductor may decompose a small bmm into a pointwise product and a sum on the CPU,
 # `should_decompose_bmm`, and recompute a gathered expert weight ``w[ids]`` feeding it inside that kernel, after
 # the weight's evict: the gather is materialized instead)
-_EXTERN_READERS = {torch.nn.functional.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.addmm,
+_EXTERN_READERS = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.addmm,
                    torch.conv1d, torch.conv2d, torch.conv3d, torch.nn.functional.conv1d,
                    torch.nn.functional.conv2d, torch.nn.functional.conv3d,
                    torch.nn.functional.scaled_dot_product_attention, operator.matmul}  # prefetch modes: copy now; use the copy the previous call carried, else copy; carry

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.fx as fx
 
+from .._torch_private import OpOverload, op_schema
 from ..subclasses import rebuild_weight
 
 AS_STRIDED = torch.ops.aten.as_strided.default
@@ -90,8 +91,8 @@ _REQUIRED = object()  # a parameter with no default
 Signature = tuple[tuple[str, object], ...]  # (name, default or _REQUIRED) per parameter, in order
 
 
-def _op_signature(op: torch._ops.OpOverload) -> Signature:
-    return tuple((a.name, a.default_value if a.has_default_value() else _REQUIRED) for a in op._schema.arguments)
+def _op_signature(op: OpOverload) -> Signature:
+    return tuple((a.name, a.default_value if a.has_default_value() else _REQUIRED) for a in op_schema(op).arguments)
 
 
 def _function_signature(fn: Callable) -> Signature:
@@ -136,14 +137,13 @@ _VIEW_OF_OP = {"offload_compiler::prefetch": Prefetch, "offload_compiler::wait":
                "offload_compiler::evict": Evict, "offload_compiler::resident": Resident,
                "offload_compiler::transfer": Transfer}
 _UNSEEN = object()
-_decoders: dict[torch._ops.OpOverload, tuple[type, Signature] | None] = {}  # None: not a transfer op
+_decoders: dict[OpOverload, tuple[type, Signature] | None] = {}  # None: not a transfer op
 
 
-def _decoder(op: torch._ops.OpOverload) -> tuple[type, Signature] | None:
+def _decoder(op: OpOverload) -> tuple[type, Signature] | None:
     decoder = _decoders.get(op, _UNSEEN)
     if decoder is _UNSEEN:
-        schema = op._schema
-        view = None if schema.overload_name else _VIEW_OF_OP.get(schema.name)
+        view = _VIEW_OF_OP.get(op.name())  # ``ns::op`` for the default overload, ``ns::op.overload`` otherwise
         decoder = _decoders[op] = None if view is None else _checked(view, _op_signature(op))
     return decoder
 
@@ -154,7 +154,7 @@ _AS_STRIDED = _op_signature(AS_STRIDED)  # self, size, stride, storage_offset
 
 def transfer_view(node: fx.Node) -> TransferView | None:
     """The typed view of a transfer op's node; None for any other node."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return None  # (a call_function's target may be any callable, not necessarily hashable)
     decoder = _decoder(node.target)
     if decoder is None:

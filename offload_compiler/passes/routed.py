@@ -18,6 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .._torch_private import OpOverload
 from .analysis import RoutedRead, WeightInput, _value
 
 OPS = torch.ops.offload_compiler
@@ -78,7 +79,7 @@ def _route_grouped(graph: fx.Graph, env: dict[fx.Node, fx.Node], r: RoutedRead, 
 def routed_view(node: fx.Node) -> tuple[int, int, int] | None:
     """(group, bound, expert bytes) of a ``routed`` or ``routed_grouped`` node; None for any other node."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target._schema.name not in (
+    if node.op != "call_function" or not isinstance(target, OpOverload) or target.name() not in (
             "offload_compiler::routed", "offload_compiler::routed_grouped"):  # (by name: passes don't import `ops`)
         return None
     _, group, _, _, bound, expert_bytes = node.args

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .._torch_private import inductor_compile
 from ..backend import RuntimeBackend, build_runtime
 from ..grouping import plan_groups
 from ..policy import OffloadPolicy
@@ -111,8 +112,7 @@ def _probe(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
 
 def _graph_runner(gm, example_inputs: list, compiler: str) -> Callable:
     if compiler == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
+        return inductor_compile(gm, example_inputs)
     return gm
 
 

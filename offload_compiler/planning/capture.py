@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .._dynamo import cannot_capture_in_one_graph, capture_config, short_reason
+from .._torch_private import cannot_capture_in_one_graph, capture_config, short_reason
 
 
 class _Captured(Exception):

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from .._dynamo import prefer_device_while_tracing
+from .._torch_private import prefer_device_while_tracing
 
 log = logging.getLogger("offload_compiler")
 
@@ -49,8 +49,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def tracing_on(device: torch.device):
-    """Entered while dynamo captures an offloaded model outside `_dynamo.compile_under_config` (``auto``'s
-    planning capture): see `_dynamo.prefer_device_while_tracing`."""
+    """Entered while dynamo captures an offloaded model outside `_torch_private.compile_under_config` (``auto``'s
+    planning capture): see `_torch_private.prefer_device_while_tracing`."""
     return prefer_device_while_tracing(device.type)
 
 
