@@ -70,9 +70,6 @@ on, registers a device with torch's private device-guard and dispatch-key APIs (
 ``torch._C.DispatchKeySet``, ``torch._register_device_module``, ...). It is test infrastructure, imported only
 through ``offload_compiler.testing`` (never by the offloading code), and is excluded from
 `test_no_private_torch_outside_this_module`.
-Still outside, pending: ``func._schema.is_mutable`` in ``HostMaster.__torch_dispatch__`` (touch point 10; that
-method is being changed on another branch: it becomes ``op_schema(func).is_mutable``). The grep test looks for
-``torch._`` and ``_C.``, not for private attributes of public objects.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._torch_private import inlined_only, tree_map
+from ._torch_private import inlined_only, op_schema, tree_map
 from .storage import own_storage, viewed
 
 aten = torch.ops.aten
@@ -146,7 +146,7 @@ class HostMaster(torch.Tensor):
                 return HostMaster(views, first.device, first.account, root=root)
             if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
                 return func(first.host, **{"device": first.device, **kwargs})
-            if func._schema.is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
+            if op_schema(func).is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
                 account = first.account() if first.account is not None else None
                 if account is not None:  # a copy still queued may read these bytes
                     account.wait_before_write()

@@ -22,7 +22,7 @@ from offload_compiler import _torch_private as private
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "offload_compiler")
 # `testing/simulated.py` registers the simulated accelerator the tests run on (see the module's docstring)
 OUTSIDE_THE_RULE = {os.path.join(PACKAGE, "_torch_private.py"), os.path.join(PACKAGE, "testing", "simulated.py")}
-PRIVATE = re.compile(r"torch\._[A-Za-z]|_C\.|_pytree|getLogger\(\s*[\"']torch\.")
+PRIVATE = re.compile(r"torch\._[A-Za-z]|_C\.|_pytree|getLogger\(\s*[\"']torch\.|\._schema\b|_orig_mod\b")
 
 
 @pytest.fixture(autouse=True)
