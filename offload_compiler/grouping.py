@@ -428,7 +428,7 @@ def _plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] 
         else:
             in_blocks.setdefault(name, (block, []))[1].append(w)
     groups = _block_groups(list(in_blocks.values()), policy.blocks_per_group)
-    if policy.strategy == "layerwise":
+    if policy.strategy in ("layerwise", "budget", "auto"):  # every strategy that streams blocks
         groups = split_experts(model, groups)
     groups += [GroupSpec(name, tuple(ws), True, False) for name, ws in outside.items()]
     return choose_streamed(groups, policy)
@@ -478,9 +478,9 @@ def _expert_list_group(name: str, lists: dict[str, str]) -> str | None:
 
 
 def split_experts(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
-    """Under layerwise, a block's expert weights form a group of their own right after the block's group: a
-    graph that reads them only by router indices can then fetch the experts named instead of the block's
-    every expert (`passes.analysis.routed_reads`), while the rest of the block streams as before; a graph that
+    """Under a strategy that streams blocks, a block's expert weights form a group of their own right after the
+    block's group: a graph that reads them only by router indices can then fetch the experts named instead of the
+    block's every expert (`passes.analysis.routed_reads`), while the rest of the block streams as before; a graph that
     reads them whole (prefill) fetches both groups, the same bytes as one block group.
 
     Experts that are modules of their own (`expert_lists`) are called in a loop over the experts with tokens,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_compiler import OffloadPolicy, offload_compile
+from offload_compiler import OffloadPolicy, offload_compile, offload_groups
 from offload_compiler.api import describe_plan, offload_stats, reset_offload_stats
 from offload_compiler.testing import assert_traffic_matches_plan
 
@@ -146,6 +146,34 @@ def test_groups_split_the_experts_from_their_block():
     from offload_compiler.grouping import plan_groups
     names = [g.name for g in plan_groups(TinyMoE(), _policy())]
     assert names == ["layers.0", "layers.0.experts", "layers.1", "layers.1.experts"]
+
+
+@pytest.mark.parametrize("strategy", ["budget", "auto"])
+def test_budget_and_auto_route_the_experts_they_stream(strategy):
+    """``budget`` and ``auto`` split each block's experts into a group of their own as ``layerwise`` does: the
+    expert groups they stream are fetched routed at decode (top_k of E experts), so a decode moves less than
+    the streamed groups whole, and the slot held for them is the routed bound."""
+    model = TinyMoE(layers=4)
+    plain = copy.deepcopy(model)
+    model_bytes = sum(p.numel() * 4 for p in plain.parameters())
+    expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if "experts" in n)
+    budget = {"budget": dict(offload_gb=0.5 * model_bytes / 2**30),
+              "auto": dict(device_budget_gb=0.5 * model_bytes / 2**30)}[strategy]
+    m = offload_compile(model, OffloadPolicy(strategy=strategy, device="cpu", debug_poison=True, **budget))
+    one = torch.randn(1, H)
+    for _ in range(2):  # auto plans at its first calls
+        with torch.no_grad():
+            m(one)
+    groups = offload_groups(m)
+    assert [g.name for g in groups if g.name.endswith("experts")] == [f"layers.{i}.experts" for i in range(4)]
+    streamed_experts = sum(g.nbytes for g in groups if g.name.endswith("experts") and g.streamed)
+    assert streamed_experts > 0
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(one), plain(one))
+    stats = assert_traffic_matches_plan(m, resident_filled=True)  # resident groups were filled at call 1
+    assert 0 < stats.routed_bytes <= TOP_K / E * streamed_experts
+    assert stats.expert_bytes == stats.routed_bytes < streamed_experts <= expert_bytes
 
 
 _LM = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
