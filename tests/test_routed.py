@@ -148,7 +148,7 @@ def test_groups_split_the_experts_from_their_block():
     assert names == ["layers.0", "layers.0.experts", "layers.1", "layers.1.experts"]
 
 
-@pytest.mark.parametrize("strategy", ["budget", "auto"])
+@pytest.mark.parametrize("strategy", ["budget", pytest.param("auto", marks=pytest.mark.slow)])  # auto: ~10 s
 def test_budget_and_auto_route_the_experts_they_stream(strategy):
     """``budget`` and ``auto`` split each block's experts into a group of their own as ``layerwise`` does: the
     expert groups they stream are fetched routed at decode (top_k of E experts), so a decode moves less than
