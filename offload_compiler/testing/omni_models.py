@@ -8,7 +8,8 @@
   :func:`omni_stage_inputs` -> the inputs of :func:`run_stages`, which drives the three stages one call each,
   without ``generate``, the way ``Qwen2_5OmniForConditionalGeneration.generate`` feeds them.
 
-Module tree (what ``named_children`` gives)::
+Module tree (what ``named_children`` gives; transformers >= 5.21: before, the thinker holds ``audio_tower`` and
+``visual`` itself and its ``model`` is the text model)::
 
     Qwen2_5OmniThinkerForConditionalGeneration: model, lm_head
         model (Qwen2_5OmniThinkerModel): audio_tower, visual, language_model
