@@ -45,18 +45,18 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._torch_private import capture_config, compile_under_config, compiled_models, compiled_module_of, \
+from .._torch_private import capture_config, compile_under_config, compiled_models, compiled_module_of, \
     config_for_call, filter_fake_tensor_log, guards_only_on, inlined_only, is_tracing_error, leave_fullgraph_region, \
     model_error, own_refusal, pytree, restore_fullgraph_region, symbolic_sizes, user_frame
-from .planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
-from .planning.planner import GIB, InfeasibleBudgetError
-from .backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
-from .components import DIT_MODULES, ENTRY_METHODS, pipeline_streamed
-from .errors import OffloadRefusal
-from .grouping import blocks_attr_within, component_block_groups, plan_groups
-from .host_masters import HostMaster
-from .policy import COMPONENT_STRATEGIES, OffloadPolicy, validate_device
-from .runtime import OffloadRuntime
+from ..planning.auto import OffloadPlan, plan_offload, planned_runtime, planned_specs, resolve_budget
+from ..planning.planner import GIB, InfeasibleBudgetError
+from ..backend import OFFLOAD_ENDED, RuntimeBackend, build_runtime, compile_graph
+from ..components import DIT_MODULES, ENTRY_METHODS, pipeline_streamed
+from ..errors import OffloadRefusal
+from ..grouping import blocks_attr_within, component_block_groups, plan_groups
+from ..host_masters import HostMaster
+from ..policy import COMPONENT_STRATEGIES, OffloadPolicy, validate_device
+from ..runtime import OffloadRuntime
 
 STATE_ATTR = "_offload_state"
 HOOKS_REFUSED = ("{model} is offloaded: its graphs were captured with the hooks it had then, so a hook {action} now "
