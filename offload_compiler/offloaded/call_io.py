@@ -92,6 +92,7 @@ _ANCHOR = torch.zeros((), requires_grad=True)  # gives the outputs a grad_fn; ne
 
 
 def inference_only(out: Any) -> Any:
+    """``out`` with each floating tensor's backward raising `INFERENCE_ONLY` (where the plain model's would run)."""
     def mark(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
             return _InferenceOnlyOutput.apply(_ANCHOR, value)

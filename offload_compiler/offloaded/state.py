@@ -181,7 +181,7 @@ class OffloadState:
 
     def end_call(self) -> None:
         """The outermost offloaded call ended: say once what it read outside its graphs."""
-        self.warn_outside(self.outside.end())
+        self._warn_outside(self.outside.end())
 
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
@@ -210,7 +210,7 @@ class OffloadState:
             self.hooks.accept()
             self.recompile()
 
-    def warn_outside(self, outside: Outside) -> None:
+    def _warn_outside(self, outside: Outside) -> None:
         """Once per model, at the end of the first offloaded call that read weights outside its own graphs:
         code dynamo ran without a graph (a graph break inside a loop, a frame past its recompile limit). It still
         streamed -- the modules it called as their own graphs, the weights it computed with on demand, op by op
