@@ -51,7 +51,7 @@ def main() -> None:
         "masters": torch.compile(_model(layers, True), backend=_constant_backend()),
         "masters, their guards dropped": torch.compile(_model(layers, True), backend=_constant_backend(),
                                                        options={"guard_filter_fn": _drop_master_guards}),
-        # what offloaded calls compile with (`offloaded._PART_GUARDS`): each master's TENSOR_MATCH alone
+        # what offloaded calls compile with (`offloaded.forwards._PART_GUARDS`): each master's TENSOR_MATCH alone
         "masters, TENSOR_MATCH alone (guards_only_on)": torch.compile(
             _model(layers, True), backend=_constant_backend(),
             options={"guard_filter_fn": guards_only_on({HostMaster: "TENSOR_MATCH"})}),

@@ -18,7 +18,7 @@ from .errors import OffloadSavingWarning
 from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warning
 from .planning import auto
 from .planning.auto import OffloadPlan
-from .offloaded import (OffloadState, OffloadedModule, add_method, detach, install_output_capture, offload_module,
+from .offloaded import (OffloadState, OffloadedModule, add_method, install_output_capture, offload_module,
                         offload_pipeline, PipelineModules, state_of)
 from .policy import OffloadPolicy, warn_user
 from .runtime import OffloadRuntime, OffloadStats
@@ -260,7 +260,7 @@ def remove_offload(module: Any) -> Any:
     device copies are dropped, the model's class, forwards and hooks are restored; returns the model (or
     pipeline), equal to what was offloaded. (Calling a ``torch.compile(model, backend="omni_offload")`` wrapper
     of it again offloads it again, as its first call did.)"""
-    return detach(_state(module))
+    return _state(module).detach()
 
 
 def inject_fault(module: Any, stage: str, group: int | str | None = None, exception: BaseException | None = None,

@@ -51,6 +51,30 @@ def test_options_may_carry_a_policy_and_stats_reset():
     assert offload_stats(compiled).fetch_count == 0 and offload_stats(compiled).bytes_transferred == 0
 
 
+def test_both_routes_go_through_the_same_phases():
+    """One state machine (`Phase`): attached once a route offloaded the model, detached by remove_offload, after
+    which the old state refuses every use."""
+    from offload_compiler import remove_offload
+    from offload_compiler.errors import OffloadRefusal
+    from offload_compiler.offloaded import state_of
+    from offload_compiler.offloaded.state import Phase
+    for route in ("offload_compile", "omni_offload"):
+        model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),) * 2, False, True, 2, 1))
+        options = {"strategy": "layerwise", "device": "cpu"}
+        if route == "offload_compile":
+            m = offload_compile(model, OffloadPolicy(**options))
+        else:
+            m = torch.compile(model, backend="omni_offload", options=options)
+        with torch.no_grad():
+            m(x)
+        state = state_of(model)
+        assert state.phase is Phase.ATTACHED and isinstance(model, OffloadedModule), route
+        remove_offload(model)
+        assert state.phase is Phase.DETACHED and state_of(model) is None and not isinstance(model, OffloadedModule)
+        with pytest.raises(OffloadRefusal, match="this offload has ended"):
+            state.check_usable()
+
+
 @pytest.mark.slow  # a fresh interpreter
 @pytest.mark.newest_torch
 def test_backend_is_found_without_importing_the_package():

@@ -40,6 +40,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # the runtime package's modules, lowest first: each imports only modules before it (its __init__ re-exports them)
 RUNTIME_ORDER = ["device", "copier", "layout", "disk", "slots", "pinning", "host", "stats", "transfers", "facade"]
+# the entry layer's modules (the offloaded package), lowest first, the same rule: `state` below every module that
+# reads or changes the state, the entry routes on top
+OFFLOADED_ORDER = ["hooks", "outside", "pipeline", "call_io", "state", "auto_plan", "targets", "forwards", "module",
+                   "install", "backend_route"]
 # modules that import nothing of the package
 LEAVES = {"offload_compiler.policy", "offload_compiler.errors"}
 # the only modules allowed to import offload_compiler.testing (demo models, hypothesis helpers)
@@ -187,7 +191,8 @@ def layer_of(module: str) -> int | None:
 
 def test_every_module_is_found_and_parsed():
     for name in ("offload_compiler", "offload_compiler.passes.schedule", "offload_compiler.planning.planner",
-                 "offload_compiler.testing", "offload_compiler.testing.models", "offload_compiler.runtime"):
+                 "offload_compiler.testing", "offload_compiler.testing.models", "offload_compiler.runtime",
+                 "offload_compiler.offloaded", "offload_compiler.offloaded.state"):
         assert name in MODULES
     assert any(imp.source == "offload_compiler.backend" and imp.target == "offload_compiler.passes.insert"
                for imp in IMPORTS)
@@ -242,14 +247,17 @@ def test_module_level_imports_flow_down_the_layers():
         "\n  ".join(bad)
 
 
-def test_runtime_modules_import_down_their_order():
-    runtime = [m for m in MODULES if m.startswith("offload_compiler.runtime.")]
-    assert sorted(m.rsplit(".", 1)[1] for m in runtime) == sorted(RUNTIME_ORDER), "list every runtime module"
-    rank = {f"offload_compiler.runtime.{name}": i for i, name in enumerate(RUNTIME_ORDER)}
+@pytest.mark.parametrize("package, order", [("offload_compiler.runtime", RUNTIME_ORDER),
+                                            ("offload_compiler.offloaded", OFFLOADED_ORDER)],
+                         ids=["runtime", "offloaded"])
+def test_subpackage_modules_import_down_their_order(package, order):
+    members = [m for m in MODULES if m.startswith(package + ".")]
+    assert sorted(m.rsplit(".", 1)[1] for m in members) == sorted(order), f"list every {package} module"
+    rank = {f"{package}.{name}": i for i, name in enumerate(order)}
     bad = [str(imp) for imp in IMPORTS if imp.source in rank and imp.target in rank
            and rank[imp.target] >= rank[imp.source]]
-    bad += [str(imp) for imp in IMPORTS if imp.source in rank and imp.target == "offload_compiler.runtime"]
-    assert not bad, "runtime modules import only those before them in RUNTIME_ORDER:\n  " + "\n  ".join(bad)
+    bad += [str(imp) for imp in IMPORTS if imp.source in rank and imp.target == package]
+    assert not bad, f"{package} modules import only those before them in its order:\n  " + "\n  ".join(bad)
 
 
 @pytest.mark.parametrize("lower, higher", [("offload_compiler.passes.insert", "offload_compiler.backend"),

@@ -114,7 +114,7 @@ def test_the_backend_handed_a_submodules_graph_offloads_the_compiled_model():
     with torch.no_grad():
         assert torch.equal(compiled(x), expected)
     assert isinstance(model, SkippedFrame) and isinstance(model, OffloadedModule)
-    assert offload_stats(model).fetch_count == 3  # counted on by the runtime with masters (`_with_masters`)
+    assert offload_stats(model).fetch_count == 3  # counted on by the runtime with masters (`use_runtime_with_masters`)
     assert all(isinstance(p, HostMaster) for p in model.parameters())
     for call in (compiled, model):
         reset_offload_stats(model)

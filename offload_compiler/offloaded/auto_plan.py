@@ -1,0 +1,56 @@
+"""``strategy="auto"``: planned from the first call (nothing runs), of the whole model or of a pipeline's denoiser."""
+
+from __future__ import annotations
+
+from ..planning.auto import plan_offload, resolve_budget
+from ..planning.planner import GIB, InfeasibleBudgetError
+from .pipeline import within
+from .state import OffloadState
+
+
+def plan_model(state: OffloadState, args: tuple, kwargs: dict) -> None:
+    """Plan the whole model from this call and build its runtime (its forwards are the caller's to install)."""
+    try:
+        with state.tracing_through():
+            plan = plan_offload(state.owner, state.policy, *args, **kwargs)
+    except InfeasibleBudgetError as error:  # every later call plans again, with the same budget
+        error.add_note(f"{state.name} is offloaded with this budget and stays unplanned (nothing moved, its "
+                       f"weights are unchanged); to change the budget: offload_compile(remove_offload(m), "
+                       f"policy.replace(device_budget_gb=...))")
+        raise
+    state.planned(plan)
+
+
+def plan_component(state: OffloadState, path: str, args: tuple, kwargs: dict) -> None:
+    """A pipeline's denoiser ``path``: plan it from this, its first call, within its share of the budget
+    (`component_budget`), then rebuild the runtime with the planned groups (`OffloadState.component_planned`)."""
+    module = state.modules.get_submodule(path)
+    share = component_budget(state)
+    policy = within(state.policy, path).replace(device_budget_gb=share / GIB)
+    try:
+        with state.tracing_through():
+            plan = plan_offload(module, policy, *args, **kwargs)
+    except InfeasibleBudgetError as error:
+        error.add_note(f"(the budget above is {path}'s share of {state.name}'s device_budget_gb: what the "
+                       f"components kept on the device and the encoders' streaming window leave)")
+        raise
+    plan.as_component(path, state.name, state.policy)  # its budget printed as path's share of the user's
+    state.component_planned(path, plan)
+
+
+def component_budget(state: OffloadState) -> int:
+    """A denoiser's share of ``device_budget_gb``: what the components kept on the device (the VAE) and
+    the encoders' streaming window leave, split between the denoisers."""
+    policy, runtime = state.policy, state.runtime
+    budget, source = resolve_budget(policy)
+    kept = 0 if policy.device_budget_gb == "free" else runtime.unmanaged_bytes  # "free" counts them already
+    denoisers = [p for p in state.plans] + state.unplanned
+    encoders = [g.nbytes for g in runtime.groups if g.name.split(".", 1)[0] not in denoisers]
+    window = (policy.prefetch + 1) * max(encoders, default=0)
+    share = (budget - kept - window) // max(len(denoisers), 1)
+    if share <= 0:
+        raise InfeasibleBudgetError(
+            f"{source} leaves nothing for {state.name}'s denoisers: {kept} B stay on the device (the VAE and other "
+            f"components) and the encoders stream {window} B at a time; raise device_budget_gb",
+            needed_bytes=kept + window + 1, budget_bytes=budget)
+    return share

@@ -1,0 +1,344 @@
+"""The callables installed on an offloaded model's modules, and their installation.
+
+- `_OffloadedForward`: a module's forward (or entry method) while offloaded; runs the module's own offloaded
+  graph, compiled at its first call;
+- `_TraceThrough`: what an installed forward is while its model's own graph is captured or run (dynamo traces
+  into the module's code);
+- `_RoutedPart`: the forward of every other module holding offloaded weights; traced into inside an offloaded
+  call, run as the module's own offloaded graph when called from Python.
+
+They live together: a routed part runs as an `_OffloadedForward`, and an offloaded forward's graphs guard the
+routed parts by identity (`_PART_GUARDS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import sys
+import types
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._torch_private import compile_under_config, config_for_call, filter_fake_tensor_log, guards_only_on, \
+    inlined_only, is_tracing_error, leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, \
+    symbolic_sizes, user_frame
+from ..backend import RuntimeBackend
+from ..errors import OffloadRefusal
+from ..host_masters import HostMaster
+from ..planning.auto import OffloadPlan
+from ..runtime import OffloadRuntime
+from .auto_plan import plan_component, plan_model
+from .call_io import describe_inputs, inference_only, moved_to, tensor_leaves
+from .state import OFFLOADED_CALLS, OffloadState
+from .targets import entry_methods, modules_with_forwards, weight_holders
+
+BOUNDARY = ("an offloaded model runs its own offloaded graph (compiled as its OffloadPolicy says); torch.compile "
+            "around it cannot trace its weights without their transfers, so it is a graph boundary. Call it outside "
+            "fullgraph=True regions, or compile it through its policy (compiler='inductor', fullgraph=True)")
+
+
+class _OffloadedForward:
+    """A module's forward (or another entry method, `ENTRY_METHODS`) while its model is offloaded: runs the
+    module's own offloaded graph. ``function``: what the method runs, where not the class's (a forward set on the
+    instance before offloading)."""
+
+    def __init__(self, module: nn.Module, state: OffloadState, method: str = "forward",
+                 function: Any = None) -> None:
+        self._state = state
+        self._module = module
+        self._root = module is state.owner
+        self._method = method
+        self._warned_inputs = False
+        self.forward = function if function is not None else getattr(type(module), method).__get__(module)
+        self.through = _TraceThrough(self)
+        self._compiled = None
+        try:  # inspect.signature(m.forward) is the method's own (transformers' generate checks kwargs against it)
+            self.__signature__ = inspect.signature(self.forward)
+        except (TypeError, ValueError):  # no signature to give
+            pass
+
+    def recompile(self) -> None:
+        """The runtime was rebuilt (``auto`` planned a pipeline's denoiser): compile again at the next call."""
+        self._compiled = None
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        outer = leave_fullgraph_region()  # called from the user's torch.compile(m, fullgraph=True): see there
+        try:
+            return self._offloaded_call(*args, **kwargs)
+        finally:
+            restore_fullgraph_region(outer)
+
+    def _offloaded_call(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._state
+        with state.lock:
+            state.check_usable()
+            if state.runtime is None:
+                if not self._root:
+                    raise OffloadRefusal(f"strategy='auto' plans from a call of the whole {state.name}: call the "
+                                         f"model (or m.plan(...)) once before calling its parts on their own")
+                plan_now(state, args, kwargs)
+            elif state.unplanned:
+                path = state.path_of(self._module)
+                if path in state.unplanned:
+                    plan_component(state, path, args, kwargs)
+            runtime = state.runtime
+            args, kwargs, needs_grad = self._inputs_on_device(args, kwargs, runtime.device)
+            calls = runtime.graph_calls
+            outer = state.begin_call(runtime)
+            measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
+            compiled = self._compiled or self._compile(runtime)
+            try:
+                with torch.no_grad(), config_for_call(compiled, state.limits), state.tracing_through(), measure:
+                    out = self._run(compiled, args, kwargs)
+            except BaseException as exc:
+                if is_tracing_error(exc):
+                    # dynamo may have given up on a frame of this failed call (the model's own ``raise`` on a bad
+                    # input, traced: "Failed to handle graph break gracefully") and run that code object without
+                    # a graph from then on: our forwards' frames included, so every later call would read its
+                    # weights on demand. Fresh code objects for them (`_own_frame`) at the next call.
+                    state.recompile()
+                raise
+            finally:
+                if outer:
+                    state.adopt_hooks()
+            if runtime.graph_calls == calls and not _reads_are_counted(runtime):
+                raise OffloadRefusal(  # a tensor-subclass weight is no host master (see `_reads_are_counted`)
+                    f"{state.name} ran without its offloaded graph: torch.compile fell back to plain eager "
+                    f"execution, so nothing was offloaded. Dynamo does this for a frame with a graph break inside a "
+                    f"loop or past its recompile limit; TORCH_LOGS=graph_breaks,recompiles shows which")
+            if outer:
+                state.end_call()
+        return inference_only(out) if needs_grad or self._trainable() else out
+
+    def _trainable(self) -> bool:
+        """The plain module's outputs would require grad for its weights: grad mode on, a weight requiring it."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self._module.parameters())
+
+    __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
+
+    def _compile(self, runtime: OffloadRuntime) -> Any:
+        """The module's forward compiled with our backend; dynamo's raised limits and logging calls traced as no-ops
+        (`_torch_private.capture_config`) are in force while it compiles, not while it runs."""
+        self._compiled = compile_under_config(_own_frame(self.forward), backend=RuntimeBackend(runtime),
+                                              fullgraph=runtime.policy.fullgraph,
+                                              options={"guard_filter_fn": _PART_GUARDS})  # popped by torch
+        return self._compiled
+
+    def _run(self, compiled: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as exc:
+            failure = exc
+        refusal = own_refusal(failure)
+        if refusal is not None and refusal is not failure:
+            refusal.offload_trace = failure
+            raise refusal from None
+        error = model_error(failure) if is_tracing_error(failure) else None
+        if error is None:
+            raise failure
+        if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes, outside
+            try:                        # the handler above, so that the retry's chain holds only its own errors
+                with torch.compiler.config.patch(automatic_dynamic_shapes=False):  # the call's own sizes
+                    return compiled(*args, **kwargs)
+            except Exception as again:
+                static_error = model_error(again) if is_tracing_error(again) else None
+                if static_error is not None:
+                    failure, error = again, static_error
+        raise self._input_error(error, failure, args, kwargs) from None
+
+    def _input_error(self, error: BaseException, exc: BaseException, args: tuple, kwargs: dict) -> BaseException:
+        """The model's own error while tracing it (a wrong input shape), short: the module and method, the
+        inputs it was given, what failed and where. Dynamo's full report is the error's ``offload_trace``."""
+        state, module = self._state, self._module
+        path = state.path_of(module)
+        call = f"{state.name}{'.' + path if path else ''}.{self._method}({describe_inputs(self.forward, args, kwargs)})"
+        text = str(error).strip()
+        what = text.splitlines()[0].rstrip(".") if text else type(error).__name__
+        line = user_frame(exc)
+        try:
+            short = type(error)(f"{call} failed: {what}{f' (at {line})' if line else ''}. Check the inputs against "
+                                f"what {type(module).__name__}.{self._method} expects; the model is unchanged")
+        except Exception:  # an exception type with other arguments: the model's own error as raised
+            short = error
+        short.offload_trace = exc
+        return short
+
+    def _inputs_on_device(self, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict, bool]:
+        """Tensor inputs elsewhere than the compute device are moved there (warned once); data-less (meta)
+        inputs are refused. Also says whether an input requires grad (the outputs then do, as the plain
+        model's would: `inference_only`)."""
+        tensors = list(tensor_leaves((args, kwargs)))
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if all(t.device == device for t in tensors):  # every call but a misplaced one: nothing to rebuild
+            return args, kwargs, needs_grad
+        args, kwargs, moved = moved_to(device, args, kwargs)
+        if moved and not self._warned_inputs:
+            self._warned_inputs = True
+            warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
+                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=5)
+        return args, kwargs, needs_grad
+
+
+def _own_frame(function: Any) -> Any:
+    """``function``, called from a frame whose code object belongs to this one forward. Dynamo keeps its compiled
+    graphs (and counts recompiles) on the code object of the frame it compiles. Compiling the module's forward
+    itself would put the graphs of every offloaded model of a class -- of every transformers class, whose
+    forwards share one decorator ``wrapper`` -- on that shared code object: a later ``torch.compile`` of any model
+    with that forward (``backend="omni_offload"`` included) would then meet dynamo's recompile limit at its
+    first call and silently run un-compiled (for ``omni_offload``: un-offloaded), and every call of every model
+    would check all those graphs' guards. Dynamo traces into ``function`` from here (inlined, no cache entry)."""
+    def offloaded_call(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+    code = offloaded_call.__code__.replace()  # a new code object, not shared with any other forward
+    return types.FunctionType(code, offloaded_call.__globals__, offloaded_call.__name__, offloaded_call.__defaults__,
+                              offloaded_call.__closure__)
+
+
+def _reads_are_counted(runtime: OffloadRuntime) -> bool:
+    """Whether every streamed weight is a host master, so that a call which ran none of its graphs still
+    streamed what it read. Not yet masters: tensor-subclass weights (quantized, DTensor shards)."""
+    return all(isinstance(slot.tensor, HostMaster) for group in runtime.groups if group.streamed
+               for slot in group.slots)
+
+
+@torch.compiler.assume_constant_result  # read once while dynamo traces, a constant of the graph with no guard
+def _tracing_an_offloaded_call() -> bool:
+    """Whether the graph dynamo traces now is one of our offloaded calls' (our backend: its graphs run only
+    inside offloaded calls) rather than the user's ``torch.compile`` of code that calls a part. A constant of
+    the graph, not a guard checked at each call."""
+    return getattr(OFFLOADED_CALLS, "depth", 0) > 0
+
+
+class _TraceThrough:
+    """An installed forward while its model's own graph is captured or run: dynamo traces into the module's
+    code; called from Python meanwhile (code dynamo ran between graphs, another thread) it takes the
+    offloaded route."""
+
+    def __init__(self, offloaded: _OffloadedForward) -> None:
+        self._offloaded = offloaded
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._offloaded.forward(*args, **kwargs)
+        return self._offloaded(*args, **kwargs)
+
+
+class _RoutedPart:
+    """The forward of every other module holding offloaded weights (a block, a layer's projection, a tied
+    ``lm_head``). Where dynamo traces an offloaded call, it traces straight into the module's own forward (the
+    graph fetches what it reads). Called from Python -- by hand (``m.model.layers[0](h)``), from a method of
+    the model, from its forward reached around its instance attribute, from a frame of an offloaded call that
+    dynamo runs without a graph (a graph break inside a loop) -- or met by the user's ``torch.compile`` (a graph
+    boundary, as the model is), it runs the module's own offloaded graph, compiled at that first call: no route
+    reads host memory."""
+
+    def __init__(self, module: nn.Module, state: OffloadState, previous: Any) -> None:
+        self._state = state
+        self._module = module
+        self.previous = previous  # a forward set on the instance before offloading, or None
+        self.forward = previous or type(module).forward.__get__(module)  # what dynamo traces into
+        self._routed: _OffloadedForward | None = None
+
+    @inlined_only  # called from a frame dynamo runs without a graph: Python, so the module's own graph runs
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and _tracing_an_offloaded_call():
+            return self.forward(*args, **kwargs)
+        return self._route(*args, **kwargs)
+
+    def _route_call(self, *args: Any, **kwargs: Any) -> Any:
+        if self._routed is None:
+            self._routed = _OffloadedForward(self._module, self._state, function=self.previous)
+        outside = self._state.outside if self._state.call_depth else None
+        if outside is None:  # by hand, outside any offloaded call
+            return self._routed(*args, **kwargs)
+        before = outside.runtime.bytes_transferred  # within an offloaded call: said at its end (`Outside`)
+        try:
+            return self._routed(*args, **kwargs)
+        finally:
+            outside.add_part(self._module, outside.runtime.bytes_transferred - before)
+
+    _route = torch.compiler.disable(_route_call, reason=BOUNDARY)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # inspect.signature(module.forward) is the forward's own
+        return inspect.signature(self.previous or type(self._module).forward.__get__(self._module))
+
+    def recompile(self) -> None:
+        self._routed = None
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A copy of the module (``copy.deepcopy(m.model.layers[0])``) is a plain module: its forward is its own."""
+        copied = memo.get(id(self._module))
+        if copied is None or self.previous is not None:
+            return copy.deepcopy(self.previous, memo)
+        return type(copied).forward.__get__(copied)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError(f"{type(self._module).__name__} is part of the offloaded {self._state.name}: pickle or "
+                        f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
+
+
+_PART_GUARDS = guards_only_on({_RoutedPart: "ID_MATCH", HostMaster: "TENSOR_MATCH"})  # see there: by identity, by
+#   tensor metadata
+
+
+class _QuietOwnErrors(logging.Filter):
+    """Fake tensors log (to stderr) every op that fails while dynamo traces; inside an offloaded call such a
+    failure becomes one short error (`_OffloadedForward._input_error`), so its log record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        frame = sys._getframe()
+        while frame is not None:
+            if frame.f_code is _OffloadedForward._call.__code__:
+                return False
+            frame = frame.f_back
+        return True
+
+
+filter_fake_tensor_log(_QuietOwnErrors())
+
+
+# -- installation --------------------------------------------------------------------------------------------
+
+def install_forwards(model: nn.Module, state: OffloadState) -> None:
+    """The forward and entry methods (`ENTRY_METHODS`: a VAE's ``decode``) of the modules that run graphs of their
+    own (`modules_with_forwards`) become `_OffloadedForward` objects; then every other module holding offloaded
+    weights gets a `_RoutedPart`."""
+    for module in modules_with_forwards(model, state):
+        for method in ("forward",) + entry_methods(module):
+            if (module, method) not in state.forwards:
+                state.add_forward(module, method, _OffloadedForward(module, state, method))
+    routed = {module for module, _ in state.forwards}
+    for module in weight_holders(state, model):
+        if module not in routed and module not in state.parts and type(module).forward is not nn.Module.forward:
+            state.route_part(module, _RoutedPart(module, state, module.__dict__.get("forward")))
+
+
+def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
+    """Route ``module.method`` through an offloaded graph of its own, as the forwards and entry methods are
+    (`register_offload_method`): one captured graph with the method's transfers, instead of each part it calls
+    run on its own, and a weight it reads directly (``x @ self.proj.weight``) fetched, not read from host."""
+    with state.lock:
+        state.check_usable()
+        if (module, method) in state.forwards:
+            return
+        if not inspect.ismethod(getattr(module, method, None)):
+            raise ValueError(f"{type(module).__name__}.{method} is not a method of the module; register_offload_method "
+                             f"takes the name of a method its class defines (forward is routed already)")
+        state.add_forward(module, method, _OffloadedForward(module, state, method))
+
+
+def plan_now(state: OffloadState, args: tuple, kwargs: dict) -> OffloadPlan:
+    """``auto``: plan from this call of the whole model (nothing runs), then build the runtime and the
+    forwards of the chosen groups."""
+    if state.plan is None:
+        plan_model(state, args, kwargs)
+        install_forwards(state.owner, state)
+    return state.plan
+

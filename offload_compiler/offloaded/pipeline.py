@@ -1,0 +1,47 @@
+"""A pipeline object (diffusers-style) seen as one model, and its runtime under the block strategies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..backend import build_runtime
+from ..components import pipeline_streamed
+from ..grouping import blocks_attr_within, component_block_groups
+from ..planning.auto import OffloadPlan, planned_specs
+from ..policy import OffloadPolicy
+from ..runtime import OffloadRuntime
+
+
+class PipelineModules(nn.Module):
+    """The nn.Module attributes of a pipeline object (diffusers-style), seen as one model."""
+
+    def __init__(self, pipeline: Any) -> None:
+        super().__init__()
+        found = {name: value for name, value in vars(pipeline).items() if isinstance(value, nn.Module)}
+        if not found:
+            raise TypeError(f"offload_compile takes an nn.Module or a pipeline whose components are nn.Module "
+                            f"attributes; {type(pipeline).__name__} has none")
+        for name, module in found.items():
+            self.add_module(name, module)
+
+
+def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans: dict[str, OffloadPlan]
+                     ) -> OffloadRuntime:
+    """The runtime of a pipeline under the block strategies: encoders, then denoisers, grouped block by block
+    (`component_block_groups`), each denoiser that ``auto`` planned as its plan says; the other components
+    on the compute device. With plans, the prefetch depth is the smallest they chose."""
+    paths = pipeline_streamed(modules, name)
+    planned = {path: planned_specs(modules.get_submodule(path), within(policy, path), plan)
+               for path, plan in plans.items()}
+    if plans:
+        prefetch = min(plan.prefetch for plan in plans.values())
+        policy = policy.replace(prefetch=prefetch, prefetch_next_call=policy.prefetch_next_call and prefetch > 0)
+    return build_runtime(modules, policy, specs=component_block_groups(modules, paths, policy, planned), name=name)
+
+
+def within(policy: OffloadPolicy, path: str) -> OffloadPolicy:
+    """``policy`` as seen by the component at ``path`` (its ``blocks_attr`` relative to that component)."""
+    return policy.replace(blocks_attr=blocks_attr_within(policy.blocks_attr, path))
+
