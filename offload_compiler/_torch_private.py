@@ -104,7 +104,7 @@ def compiled_module_of(obj: Any) -> Any:
 def compiled_models() -> list[nn.Module]:
     """The modules inside every live ``torch.compile`` wrapper (``OptimizedModule``). A backend is handed a graph
     and its inputs, never the module being compiled; the weights among those inputs are the module's own tensor
-    objects, so the model is found by identity among these (`offloaded.model_holding`), not from where dynamo
+    objects, so the model is found by identity among these (`offloaded.backend_route.model_holding`), not from where dynamo
     is on the Python stack nor from how it spells a weight's source (both changed under transformers 5's
     wrapped forwards). The garbage collector's list is walked once per graph compiled (about 0.1 s with
     transformers imported); ``type(obj)`` does not run the ``__class__`` properties of lazy module objects."""
