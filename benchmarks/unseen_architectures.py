@@ -1,5 +1,5 @@
 """Architectures the test suite does not build, offloaded as a new user would: tiny random-weight configs,
-``layerwise`` (prefetch 1), eager, on the simulated accelerator (a device that is not the host) or the CPU.
+``layerwise`` (prefetch 1), eager (or ``--compiler inductor`` on the CPU), on the simulated accelerator (a device that is not the host) or the CPU.
 For each: max abs difference of the logits (transformers) or sample (diffusers) to the plain CPU model, whether
 the traffic equals the verified plan, the device weight peak as a share of the model, bytes read on demand.
 
@@ -129,13 +129,13 @@ def _torch_compiles_it(model, kwargs) -> bool:
         torch.compiler.reset()
 
 
-def trial(model, kwargs, output, device: str) -> dict:
+def trial(model, kwargs, output, device: str, compiler: str) -> dict:
     with torch.no_grad():
         expected = output(model(**kwargs))
     start = time.perf_counter()
     try:
         m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device,
-                                                                 compiler="eager", prefetch=1))
+                                                                 compiler=compiler, prefetch=1))
         reset_offload_stats(m)
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with torch.no_grad():
@@ -153,6 +153,9 @@ def trial(model, kwargs, output, device: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="sim", help="'sim' (the simulated accelerator) or 'cpu'")
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
+                        help="inductor: on the cpu only (the simulated device has no inductor backend)")
+    parser.add_argument("--only", nargs="*", default=None, help="these names only (e.g. transformers:gpt_oss)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -163,11 +166,13 @@ def main() -> None:
     cases = _diffusers_cases()
     builds = [(f"transformers:{k}", lambda k=k: _decoder(k)) for k in DECODERS]
     builds += [(f"diffusers:{n}", lambda n=n: _denoiser(n, cases)) for n in cases]
+    builds = [(name, build) for name, build in builds if args.only is None or name in args.only]
     for name, build in builds:
-        results[name] = trial(*build(), device)
+        results[name] = trial(*build(), device, args.compiler)
         print(name, results[name], flush=True)
     passed = sum(r["ok"] for r in results.values())
-    report = {"command": f"python benchmarks/unseen_architectures.py --device {args.device}"
+    report = {"command": f"python benchmarks/unseen_architectures.py --device {args.device} --compiler {args.compiler}"
+                         + (f" --only {' '.join(args.only)}" if args.only else "")
                          + (f" --out {args.out}" if args.out else ""),
               "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
               "diffusers": diffusers.__version__, "python": platform.python_version(),
