@@ -17,7 +17,6 @@ import contextlib
 import copy
 import inspect
 import logging
-import threading
 import types
 import warnings
 from typing import Any
@@ -69,11 +68,11 @@ class _OffloadedForward:
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         outer = leave_fullgraph_region()  # called from the user's torch.compile(m, fullgraph=True): see there
-        _IN_OFFLOADED_CALL.depth += 1
+        OFFLOADED_CALLS.entered += 1
         try:
             return self._offloaded_call(*args, **kwargs)
         finally:
-            _IN_OFFLOADED_CALL.depth -= 1
+            OFFLOADED_CALLS.entered -= 1
             restore_fullgraph_region(outer)
 
     def _offloaded_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -290,19 +289,12 @@ _PART_GUARDS = guards_only_on({_RoutedPart: "ID_MATCH", HostMaster: "TENSOR_MATC
 #   tensor metadata
 
 
-class _Depth(threading.local):
-    depth = 0
-
-
-_IN_OFFLOADED_CALL = _Depth()  # this thread's `_OffloadedForward._call`s running now, planning included
-
-
 class _QuietOwnErrors(logging.Filter):
     """Fake tensors log (to stderr) every op that fails while dynamo traces; inside an offloaded call such a
     failure becomes one short error (`_OffloadedForward._input_error`), so its log record is dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _IN_OFFLOADED_CALL.depth == 0
+        return OFFLOADED_CALLS.entered == 0
 
 
 filter_fake_tensor_log(_QuietOwnErrors())

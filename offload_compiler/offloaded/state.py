@@ -39,6 +39,7 @@ class Phase(enum.Enum):
 
 class _CallDepth(threading.local):
     depth = 0  # how deep in offloaded calls this thread is (`OffloadState.tracing_through`)
+    entered = 0  # `_OffloadedForward._call`s running in this thread, planning before a call's start included
 
 
 OFFLOADED_CALLS = _CallDepth()
