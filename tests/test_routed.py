@@ -148,8 +148,9 @@ def test_groups_split_the_experts_from_their_block():
     assert names == ["layers.0", "layers.0.experts", "layers.1", "layers.1.experts"]
 
 
-@pytest.mark.parametrize("strategy", ["budget", pytest.param("auto", marks=pytest.mark.slow)])  # auto: ~10 s
-def test_budget_and_auto_route_the_experts_they_stream(strategy):
+@pytest.mark.parametrize("strategy, on_sim", [("budget", False), ("budget", True),
+                                               pytest.param("auto", False, marks=pytest.mark.slow)])  # auto: ~10 s
+def test_budget_and_auto_route_the_experts_they_stream(strategy, on_sim):
     """``budget`` and ``auto`` split each block's experts into a group of their own as ``layerwise`` does: the
     expert groups they stream are fetched routed at decode (top_k of E experts), so a decode moves less than
     the streamed groups whole, and the slot held for them is the routed bound."""
@@ -159,18 +160,20 @@ def test_budget_and_auto_route_the_experts_they_stream(strategy):
     expert_bytes = sum(p.numel() * 4 for n, p in plain.named_parameters() if "experts" in n)
     budget = {"budget": dict(offload_gb=0.5 * model_bytes / 2**30),
               "auto": dict(device_budget_gb=0.5 * model_bytes / 2**30)}[strategy]
-    m = offload_compile(model, OffloadPolicy(strategy=strategy, device="cpu", debug_poison=True, **budget))
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if on_sim else "cpu"
+    m = offload_compile(model, OffloadPolicy(strategy=strategy, device=device, debug_poison=True, **budget))
     one = torch.randn(1, H)
     for _ in range(2):  # auto plans at its first calls
         with torch.no_grad():
-            m(one)
+            m(one.to(device))
     groups = offload_groups(m)
     assert [g.name for g in groups if g.name.endswith("experts")] == [f"layers.{i}.experts" for i in range(4)]
     streamed_experts = sum(g.nbytes for g in groups if g.name.endswith("experts") and g.streamed)
     assert streamed_experts > 0
     reset_offload_stats(m)
     with torch.no_grad():
-        assert torch.equal(m(one), plain(one))
+        assert torch.equal(m(one.to(device)).cpu(), plain(one))
     stats = assert_traffic_matches_plan(m, resident_filled=True)  # resident groups were filled at call 1
     assert 0 < stats.routed_bytes <= TOP_K / E * streamed_experts
     assert stats.expert_bytes == stats.routed_bytes < streamed_experts <= expert_bytes
