@@ -12,7 +12,6 @@ from typing import Any
 from torch import nn
 
 from ._torch_private import compiled_module_of
-from .storage import forget_filled
 from .checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_layout
 from .errors import OffloadSavingWarning
 from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warning
@@ -22,6 +21,7 @@ from .offloaded import (OffloadState, OffloadedModule, add_method, install_outpu
                         offload_pipeline, PipelineModules, state_of)
 from .policy import OffloadPolicy, warn_user
 from .runtime import OffloadRuntime, OffloadStats
+from .storage import FilledBuckets
 
 __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload_stats", "release_device_copies",
            "describe_plan", "offload_plan", "plan_offload", "remove_offload", "inject_fault", "register_offload_method",
@@ -53,25 +53,21 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     if not isinstance(model, nn.Module) and policy.strategy == "none":
         raise TypeError(f"strategy='none' keeps every weight on the device: for a pipeline object "
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
-    try:
-        if checkpoint is not None:
-            _load(model, policy, checkpoint)
-        if not isinstance(model, nn.Module):
-            offload_pipeline(model, policy)
-            return model
-        offload_module(model, policy)
-    finally:
-        forget_filled()  # buffers read from the checkpoint that packing did not take are the weights' own
+    filled = _load(model, policy, checkpoint) if checkpoint is not None else {}
+    if not isinstance(model, nn.Module):
+        offload_pipeline(model, policy, filled)
+        return model
+    offload_module(model, policy, filled)
     _check_saving(model, policy)
     return model
 
 
-def _load(model: Any, policy: OffloadPolicy, path: str | os.PathLike) -> None:
+def _load(model: Any, policy: OffloadPolicy, path: str | os.PathLike) -> FilledBuckets:
     """Read ``path`` into ``model`` laid out as the runtime will pack it (a pipeline: each component from the
-    subfolder of its name). Every component is checked before any is read."""
+    subfolder of its name, in tensors of their own). Every component is checked before any is read. Returns
+    what the runtime's buckets were read into (`storage.FilledBuckets`)."""
     if isinstance(model, nn.Module):
-        load_checkpoint(model, path, load_layout(model, policy), policy.host_budget_bytes, policy.disk_dir)
-        return
+        return load_checkpoint(model, path, load_layout(model, policy), policy.host_budget_bytes, policy.disk_dir)
     components = PipelineModules(model)
     folders = {name: pathlib.Path(path) / name for name, _ in components.named_children()}
     missing = [name for name, module in components.named_children()
@@ -84,6 +80,7 @@ def _load(model: Any, policy: OffloadPolicy, path: str | os.PathLike) -> None:
         check_checkpoint(module, folders[name])
     for name, module in present:
         load_checkpoint(module, folders[name], [])
+    return {}
 
 
 def register_offload_method(model: Any, name: str) -> None:

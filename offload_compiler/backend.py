@@ -29,6 +29,7 @@ from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .host_masters import OnDemand, with_host_masters
 from .runtime import OffloadRuntime, size_class
+from .storage import FilledBuckets
 
 OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
                  "offload_compile(model, policy)")
@@ -61,16 +62,19 @@ def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, m
 
 
 def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True,
-                  specs: list[GroupSpec] | None = None, name: str | None = None) -> OffloadRuntime:
+                  specs: list[GroupSpec] | None = None, name: str | None = None,
+                  filled: FilledBuckets | None = None) -> OffloadRuntime:
     """The runtime of ``model`` under ``policy`` (groups from `plan_groups` unless a planner chose ``specs``):
-    grouped weights packed into host buffers (now, or at their first fetch), the others moved to the device.
-    ``name`` (in messages and plans) defaults to the model's class name."""
+    grouped weights packed into host buffers (now, or at their first fetch; ``filled``: the buffers a checkpoint
+    was read into, taken as they are), the others moved to the device. ``name`` (in messages and plans)
+    defaults to the model's class name."""
     specs = plan_groups(model, policy) if specs is None else specs
     _unmanaged_to_device(model, specs, policy, move=pack_now)
     on_demand = OnDemand()
     if pack_now:  # see host_masters: no read outside an offloaded graph goes unseen, by construction
         specs = with_host_masters(model, specs, policy.torch_device, weakref.ref(on_demand))
-    return OffloadRuntime(policy, specs, name or type(model).__name__, pack_now, model=model, on_demand=on_demand)
+    return OffloadRuntime(policy, specs, name or type(model).__name__, pack_now, model=model, on_demand=on_demand,
+                          filled=filled)
 
 
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime

@@ -35,7 +35,7 @@ from .grouping import GroupSpec, plan_groups
 from .host_masters import replace_tensors
 from .runtime.disk import CheckpointExtents, DiskFile, disk_groups
 from .runtime.layout import contiguous_stride, layout_group
-from .storage import Filled, offer_filled
+from .storage import Filled, FilledBuckets
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -243,13 +243,13 @@ def load_layout(model: nn.Module, policy: Any) -> list[GroupSpec]:
 
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[GroupSpec],
-                    host_budget: int | None = None, disk_dir: str | None = None) -> None:
+                    host_budget: int | None = None, disk_dir: str | None = None) -> FilledBuckets:
     """Give ``model`` the checkpoint's weights: those of ``specs`` (the groups the runtime will build, laid out
     as it lays them out) as views into one new flat buffer per group and dtype — in host memory, or for the
     groups beyond ``host_budget`` (`runtime.disk.disk_groups`, as the host store chooses them) in a file under
     ``disk_dir``, written through one tensor-sized buffer —, the others in tensors of their own. Checked in full
     before any byte is read; the model's tensors are replaced only once every read succeeded, so a failure
-    leaves the model as it was."""
+    leaves the model as it was. Returns what each bucket was read into, for the runtime that packs them."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors stores little-endian bytes; this host is big-endian")
     sources = check_checkpoint(model, path)
@@ -292,18 +292,17 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
         raise
     finally:
         reader.close()
-    for key, flat in flats.items():
-        buffer = buffers[key]
-        offer_filled(flat.data_ptr(), Filled(flat, buffer if isinstance(buffer, DiskFile) else None))
+    filled = {flat.data_ptr(): Filled(flat, buffers[key] if isinstance(buffers[key], DiskFile) else None)
+              for key, flat in flats.items()}
     targets = dict(own)
     targets.update((ident, leaf.host_view(flats[key])) for ident, (leaf, key) in places.items())
     for views, extents in direct.values():
         targets.update(views)
-        for bucket in extents:
-            offer_filled(bucket.addresses[0], Filled(None, bucket))
+        filled.update((bucket.addresses[0], Filled(None, bucket)) for bucket in extents)
     new = {ident: nn.Parameter(target, requires_grad=tensors[ident].requires_grad)
            if isinstance(tensors[ident], nn.Parameter) else target for ident, target in targets.items()}
     replace_tensors(model, new)
+    return filled
 
 
 class _MappedFiles(dict):

@@ -3,7 +3,7 @@ what a custom op's outputs need (they must not share storage)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
@@ -39,21 +39,7 @@ class Filled(NamedTuple):
     file: Any = None
 
 
-_FILLED: dict[int, Filled] = {}  # the address of a bucket's first byte -> what was filled there
-
-
-def offer_filled(address: int, filled: Filled) -> None:
-    """A bucket starting at ``address`` was filled (`checkpoint.load_checkpoint`): packing takes it as the
-    bucket's buffer instead of copying into a new one (`take_filled`), until `forget_filled`."""
-    _FILLED[address] = filled
-
-
-def take_filled(address: int) -> Filled | None:
-    """What was offered at ``address``, once; None where nothing was (the weights' own storage, or a
-    file-backed mapping such as a model loaded by ``from_pretrained``: packing copies those)."""
-    return _FILLED.pop(address, None) if address else None
-
-
-def forget_filled() -> None:
-    """The offers not taken (packing is over, or failed) are dropped."""
-    _FILLED.clear()
+FilledBuckets = Mapping[int, Filled]
+"""What a checkpoint was read into (`checkpoint.load_checkpoint`), by the address of each bucket's first byte:
+handed to the runtime that packs those groups (`offload_compiler.backend.build_runtime`), which takes each as the
+bucket's buffer instead of copying into a new one (`runtime.host`)."""

@@ -67,12 +67,16 @@ def test_empty_weights_puts_parameters_on_meta_and_keeps_buffers():
 
 
 def _offered(monkeypatch) -> list[int]:
-    """The addresses of the buffers the loader fills and offers to packing."""
-    from offload_compiler import checkpoint
+    """The addresses of the buffers the loader fills and hands to the runtime that packs them."""
+    from offload_compiler import api
     offered = []
-    real = checkpoint.offer_filled
-    monkeypatch.setattr(checkpoint, "offer_filled", lambda address, filled: (
-        offered.append(filled.flat.untyped_storage().data_ptr()), real(address, filled)))
+    real = api.load_checkpoint
+
+    def recording(*args, **kwargs):
+        filled = real(*args, **kwargs)
+        offered.extend(f.flat.untyped_storage().data_ptr() for f in filled.values() if f.flat is not None)
+        return filled
+    monkeypatch.setattr(api, "load_checkpoint", recording)
     return offered
 
 

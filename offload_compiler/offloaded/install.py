@@ -11,6 +11,7 @@ from torch import nn
 from ..backend import build_runtime
 from ..components import DIT_MODULES, pipeline_streamed
 from ..policy import OffloadPolicy
+from ..storage import FilledBuckets
 from .forwards import install_forwards
 from .module import offloaded_class
 from .pipeline import PipelineModules, pipeline_runtime
@@ -59,10 +60,11 @@ def install_output_capture(model: nn.Module) -> None:
     install(model)
 
 
-def offload_module(model: nn.Module, policy: OffloadPolicy) -> OffloadState:
-    """Offload ``model`` in place. Nothing is attached before the runtime exists (a refused policy leaves the
-    model untouched); ``auto`` builds its runtime at its first call."""
-    runtime = None if policy.strategy == "auto" else build_runtime(model, policy)
+def offload_module(model: nn.Module, policy: OffloadPolicy, filled: FilledBuckets | None = None) -> OffloadState:
+    """Offload ``model`` in place (``filled``: what a checkpoint was read into, packed as it is). Nothing is
+    attached before the runtime exists (a refused policy leaves the model untouched); ``auto`` builds its
+    runtime at its first call, and packs by copying."""
+    runtime = None if policy.strategy == "auto" else build_runtime(model, policy, filled=filled)
     state = OffloadState(model, policy, runtime)
     attach(state, [model])
     install_forwards(model, state)
@@ -72,7 +74,7 @@ def offload_module(model: nn.Module, policy: OffloadPolicy) -> OffloadState:
 BLOCK_STRATEGIES = ("layerwise", "budget", "auto")
 
 
-def offload_pipeline(pipeline: Any, policy: OffloadPolicy) -> OffloadState:
+def offload_pipeline(pipeline: Any, policy: OffloadPolicy, filled: FilledBuckets | None = None) -> OffloadState:
     """A pipeline object: under the block strategies its encoders and denoisers are streamed block by block
     and the other components (the VAE) live on the compute device (`pipeline_runtime`); ``auto`` plans each
     denoiser at its first call. Under the component strategies and ``sequential``, its components are grouped
@@ -81,11 +83,11 @@ def offload_pipeline(pipeline: Any, policy: OffloadPolicy) -> OffloadState:
     name = type(pipeline).__name__
     unplanned = []
     if policy.strategy in BLOCK_STRATEGIES:
-        runtime = pipeline_runtime(modules, policy, name, {})
+        runtime = pipeline_runtime(modules, policy, name, {}, filled)
         if policy.strategy == "auto":
             unplanned = [path for path in pipeline_streamed(modules, name) if path in DIT_MODULES]
     else:
-        runtime = build_runtime(modules, policy, name=name)
+        runtime = build_runtime(modules, policy, name=name, filled=filled)
     state = OffloadState(pipeline, policy, runtime, modules=modules, unplanned=unplanned)
     attach(state, list(modules.children()))
     install_forwards(modules, state)

@@ -12,6 +12,7 @@ from ..grouping import blocks_attr_within, component_block_groups
 from ..planning.auto import OffloadPlan, planned_specs
 from ..policy import OffloadPolicy
 from ..runtime import OffloadRuntime
+from ..storage import FilledBuckets
 
 
 class PipelineModules(nn.Module):
@@ -27,8 +28,8 @@ class PipelineModules(nn.Module):
             self.add_module(name, module)
 
 
-def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans: dict[str, OffloadPlan]
-                     ) -> OffloadRuntime:
+def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans: dict[str, OffloadPlan],
+                     filled: FilledBuckets | None = None) -> OffloadRuntime:
     """The runtime of a pipeline under the block strategies: encoders, then denoisers, grouped block by block
     (`component_block_groups`), each denoiser that ``auto`` planned as its plan says; the other components
     on the compute device. With plans, the prefetch depth is the smallest they chose."""
@@ -38,7 +39,8 @@ def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans
     if plans:
         prefetch = min(plan.prefetch for plan in plans.values())
         policy = policy.replace(prefetch=prefetch, prefetch_next_call=policy.prefetch_next_call and prefetch > 0)
-    return build_runtime(modules, policy, specs=component_block_groups(modules, paths, policy, planned), name=name)
+    return build_runtime(modules, policy, specs=component_block_groups(modules, paths, policy, planned), name=name,
+                         filled=filled)
 
 
 def within(policy: OffloadPolicy, path: str) -> OffloadPolicy:

@@ -19,6 +19,7 @@ from .._registry import register
 from ..grouping import GroupSpec
 from ..host_masters import OnDemand, watch_state_dict
 from ..policy import OffloadPolicy
+from ..storage import FilledBuckets
 from ..subclasses import leaf_nbytes
 from .device import DeviceStreams, is_accelerator, synchronize_streams
 from .host import HostStore
@@ -80,7 +81,8 @@ class OffloadRuntime:
     ``on_demand`` counts what host masters fetched outside the graphs (`host_masters.with_host_masters`)."""
 
     def __init__(self, policy: OffloadPolicy, specs: list[GroupSpec], model_name: str = "model",
-                 pack_now: bool = True, model: nn.Module | None = None, on_demand: OnDemand | None = None) -> None:
+                 pack_now: bool = True, model: nn.Module | None = None, on_demand: OnDemand | None = None,
+                 filled: FilledBuckets | None = None) -> None:
         self.id = next(_NEXT_ID)
         self.policy = policy
         self.model_name = model_name
@@ -96,7 +98,7 @@ class OffloadRuntime:
                          self.host.registrations)
         if pack_now:
             for group in self.host.groups:
-                self.host.pack(group)
+                self.host.pack(group, filled)
         # the model: a weak reference (names in messages) and its weights in no group
         self.model_ref: Callable[[], object] | None = None if model is None else weakref.ref(model)
         self.unmanaged_ids, self.unmanaged_bytes = (set(), 0) if model is None else _unmanaged(model, specs)

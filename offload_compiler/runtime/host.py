@@ -15,7 +15,7 @@ from torch import nn
 
 from ..grouping import GroupSpec
 from ..host_masters import HostMaster, release_masters
-from ..storage import Filled, take_filled, viewed
+from ..storage import Filled, FilledBuckets, viewed
 from .device import DeviceStreams, is_accelerator
 from .disk import DiskFile, disk_groups, release_mapped_pages
 from .layout import Bucket, Group, Leaf, dense_layout, layout_groups, weight_layout
@@ -29,12 +29,14 @@ def _nothing() -> None:
 
 
 def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | None = None,
-               registrations: HostRegistrations | None = None, stage_owners: bool = False) -> None:
+               registrations: HostRegistrations | None = None, stage_owners: bool = False,
+               filled: FilledBuckets | None = None) -> None:
     """Copy a group's leaves into one flat host buffer per dtype (pinned: the buffer, never a subclass's own
     ``pin_memory``) and point each leaf at its place in it, so the module keeps its parameters (a subclass
     weight stays that subclass, and ``state_dict`` works) while one copy moves the group. A leaf that cannot be
     packed (`Bucket.owner`) keeps its storage; ``stage_owners`` (an accelerator) copies it into a staging buffer
-    of its own, pinned alike."""
+    of its own, pinned alike. A bucket found in ``filled`` (a checkpoint read into the bucket's layout) takes
+    that buffer as it is."""
     staged = []
     for bi, bucket in enumerate(group.buckets):
         owner = bucket.owner
@@ -44,8 +46,8 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
         if bucket.host is not None or (owner is not None and not stage_owners):
             continue
         members = [owner] if owner is not None else [leaf for leaf in group.leaves if leaf.bucket == bi]
-        filled = None if owner is not None else _laid_out(bucket, members)
-        flat = filled.flat if filled is not None and filled.file is None else None
+        laid_out = None if owner is not None else _laid_out(bucket, members, filled)
+        flat = laid_out.flat if laid_out is not None and laid_out.file is None else None
         if flat is None:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype)
             with torch.no_grad():
@@ -73,7 +75,7 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
     group.packed = True
 
 
-def pack_to_disk(group: Group, folder: str) -> None:
+def pack_to_disk(group: Group, folder: str, filled: FilledBuckets | None = None) -> None:
     """`pack_group` for a group on disk: each bucket's bytes go into a file of their own (`disk.DiskFile`) and
     the leaves become views of its mapping; host memory keeps nothing of them. A bucket loaded from a
     checkpoint keeps what the loader made: its file, or the checkpoint's own extents (read-only: the first
@@ -83,9 +85,9 @@ def pack_to_disk(group: Group, folder: str) -> None:
         if bucket.owner is not None or bucket.host is not None or bucket.file is not None:
             continue
         members = [leaf for leaf in group.leaves if leaf.bucket == bi]
-        filled = _laid_out(bucket, members)
-        if filled is not None and filled.file is not None:
-            bucket.host, bucket.file = filled.flat, filled.file
+        laid_out = _laid_out(bucket, members, filled)
+        if laid_out is not None and laid_out.file is not None:
+            bucket.host, bucket.file = laid_out.flat, laid_out.file
         else:
             _write_bucket(bucket, members, folder)
     _packed_on_disk(group)
@@ -117,11 +119,11 @@ def _packed_on_disk(group: Group) -> None:
     group.packed = True
 
 
-def _laid_out(bucket: Bucket, members: list[Leaf]) -> Filled | None:
-    """What the members were read into, each at its place (`checkpoint.load_checkpoint` offers it), else
-    None: packing then copies nothing."""
+def _laid_out(bucket: Bucket, members: list[Leaf], buckets: FilledBuckets | None) -> Filled | None:
+    """What the members were read into, each at its place (one of ``buckets``, `checkpoint.load_checkpoint`),
+    else None: packing then copies them."""
     values = [viewed(leaf.value) for leaf in members]  # a host master's bytes: the tensor they were cut from
-    filled = take_filled(values[0].data_ptr()) if values and values[0].device.type == "cpu" else None
+    filled = buckets.get(values[0].data_ptr()) if buckets and values and values[0].device.type == "cpu" else None
     if filled is None:
         return None
     if filled.flat is None:  # the checkpoint's own bytes: each weight a view of its extent
@@ -184,12 +186,13 @@ class HostStore:
         return sum(g.nbytes for g in self.groups)
 
     # -- packing ------------------------------------------------------------------------------------
-    def pack(self, group: Group) -> None:
+    def pack(self, group: Group, filled: FilledBuckets | None = None) -> None:
+        """``filled``: buffers a checkpoint was read into, taken as the group's where laid out as it lays them out."""
         with torch.inference_mode(False):  # deferred to the first call, which may run in inference mode
             if group.on_disk:
-                pack_to_disk(group, self.disk_dir)
+                pack_to_disk(group, self.disk_dir, filled)
             else:
-                pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners)
+                pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners, filled)
 
     @property
     def host_bytes(self) -> int:
