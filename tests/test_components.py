@@ -105,8 +105,8 @@ def test_the_rest_of_the_model_stays_on_the_device_and_is_reported():
     assert "kept on the device" in str(stats)
 
 
-@pytest.mark.slow  # CLIP, Flux and a VAE captured per component (inductor: minutes); fast: the pipeline object below
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.slow  # CLIP, Flux and a VAE captured per component (inductor: a minute); fast: the pipeline object below
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.trial)])
 def test_model_level_offload_on_a_diffusion_container(compiler):
     model, kwargs = diffusion_container()
     report = assert_offload_equivalent(model, OffloadPolicy(strategy="model", compiler=compiler, **CPU), **kwargs)
@@ -163,6 +163,7 @@ def test_qwen25_omni_thinker_text_image_audio_offloads_visual_and_audio_tower():
 
 
 @pytest.mark.slow  # about a minute on a 2-core machine
+@pytest.mark.trial
 def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav(capsys, monkeypatch, tmp_path):
     """examples/multistage_omni.py drives the tiny Qwen2.5-Omni stage by stage (thinker, talker, token2wav, the
     stages named as vllm-omni's engine args name them) and checks the outputs against the plain model: run here

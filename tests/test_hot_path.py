@@ -322,6 +322,7 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
 
 
 @pytest.mark.slow
+@pytest.mark.trial  # a minute of inductor compiles
 def test_a_zamba2_decodes_the_plain_models_tokens_under_inductor():
     """Zamba2 (mamba layers, a shared attention block fed the embeddings again through a concat, a mamba cache
     updated in place). With ``materialize`` lowered into inductor's own kernels, every token after the first

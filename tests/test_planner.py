@@ -293,6 +293,7 @@ def one_thread():
 
 
 @pytest.mark.slow  # four models, each planned and timed over six calls, up to three times
+@pytest.mark.trial  # timings: run where no second test process shares the cores
 @pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "dit"])
 def test_the_prediction_counts_host_overheads(name, one_thread):
     """The host overheads (per op, per fetch, per call), measured once per device and compiler on a probe model

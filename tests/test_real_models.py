@@ -14,11 +14,20 @@ pytest.importorskip("diffusers")
 # the fast subset runs Llama and Qwen2 (with its KV cache) eagerly, GPT-2 in the tied-embedding test below and
 # Flux in tests/test_pipelines.py; the other models and every inductor compile (up to minutes each) are slow
 SLOW_EAGER = {"gpt2", "flux", "dit", "unet", "diffusion_container"}
+TRIAL_INDUCTOR = {"unet", "diffusion_container", "flux", "dit"}  # up to a minute of inductor compiles each;
+# llama, qwen2 and gpt2 stay in the suite under inductor
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EAGER else n
-                                  for n in BUILDERS])
+def _cases():
+    for name in BUILDERS:
+        for compiler in ("eager", "inductor"):
+            marks = [pytest.mark.slow] if compiler == "inductor" or name in SLOW_EAGER else []
+            if compiler == "inductor" and name in TRIAL_INDUCTOR:
+                marks.append(pytest.mark.trial)
+            yield pytest.param(name, compiler, marks=marks, id=f"{name}-{compiler}")
+
+
+@pytest.mark.parametrize("name, compiler", list(_cases()))
 def test_layerwise_matches_plain_model(name, compiler):
     model, kwargs = BUILDERS[name]()
     policy = OffloadPolicy(strategy="layerwise", device="cpu", prefetch=1, compiler=compiler, debug_poison=True)
