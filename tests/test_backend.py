@@ -255,8 +255,11 @@ def test_inductor_never_recomputes_a_weight_reader_after_its_evict():
     assert_offload_equivalent(model, policy, torch.randn(1, 4, 16))  # NaN (poisoned weights) if it did
     gm, inputs = capture(model, torch.randn(1, 4, 16))
     new_gm, _, _ = rewrite_graph(gm, inputs, OffloadRuntime(policy, plan_groups(model, policy), pack_now=False))
-    materialized = [n for n in new_gm.graph.nodes if n.target is torch.ops.offload_compiler.materialize.default]
-    assert len(materialized) == 2  # the (1 + w) readers; the matmuls' readers need no copy
+    # every reader is copied, matmuls included (which ops inductor re-computes in a later kernel is its choice),
+    # and each evict follows the copies
+    evicted_after = [i for n in new_gm.graph.nodes if n.target is torch.ops.offload_compiler.evict.default
+                     for i in n.args[4]]
+    assert evicted_after and all(i.target is torch.ops.offload_compiler.materialize.default for i in evicted_after)
 
 
 def _wrapped(forward):

@@ -16,7 +16,8 @@ from offload_compiler.grouping import plan_groups
 from offload_compiler.lowering import DIRECT_TRANSFER, lower_for_eager
 from offload_compiler.passes.fuse import fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
-from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matches_plan, build_block_model
+from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, assert_traffic_matches_plan, \
+    build_block_model
 from offload_compiler.testing.models import llama
 from test_backend import _PostNormStack  # noqa: E402  (tests/ is on the path, as for capture.py)
 
@@ -319,6 +320,22 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
     assert MATERIALIZE_CALL in code and f"= {DIRECT_TRANSFER}(" in code
     assert torch.equal(_tensor(out), expected) and torch.equal(_tensor(again), expected)
     assert_traffic_matches_plan(m)
+
+
+@pytest.mark.slow  # two inductor compiles of a tiny model
+@pytest.mark.parametrize("blocks", [("attention", "mlp"), ("attention", "attention")])
+def test_a_one_row_linear_reads_no_weight_after_its_evict_under_inductor(blocks):
+    """A linear over one row (a token at batch 1) need not be a kernel of its own under inductor: it may become a
+    product and a sum that a later kernel computes, after the weight's evict. Every weight reader is copied
+    (`ops.materialize`) and later nodes read the copy, so with evicted slots poisoned (NaN) and two blocks in one
+    group the outputs still equal the plain model's, and the traffic is the plan's."""
+    spec = ModelSpec(8, tuple(BlockSpec(kind, 1 if kind == "attention" else 8) for kind in blocks), False, False, 1, 1)
+    model, x = build_block_model(spec, 0)
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor", prefetch=0, blocks_per_group=2,
+                           debug_poison=True)
+    report = assert_offload_equivalent(model, policy, x)
+    assert report.bytes_transferred == 2 * report.streamed_bytes  # two calls, every weight streamed each time
+    assert report.peak_resident_bytes < report.streamed_bytes  # one group at a time (prefetch 0)
 
 
 @pytest.mark.slow

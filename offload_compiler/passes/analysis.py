@@ -111,9 +111,8 @@ def _converts_to_itself(node: fx.Node, source: fx.Node | None) -> bool:
 def _may_be_its_input(node: fx.Node, source: fx.Node | None) -> bool:
     """Whether ``node`` may hand back ``source`` itself when it runs, though the fake trace made a new tensor:
     dropout in eval mode (or with ``p=0``) returns its input eagerly, while its traced value owns a storage of
-    its own; so does a conversion to what the fetched weight already is (`_converts_to_itself`). (An op
-    inductor alone lowers to a view of its input, a zero-width pad, is handled where inductor is:
-    `insert.needs_materializing`.)"""
+    its own; so does a conversion to what the fetched weight already is (`_converts_to_itself`). (Under inductor
+    every reader is copied: `insert.needs_materializing`.)"""
     if _converts_to_itself(node, source):
         return True
     if node.op != "call_function" or node.target not in _RETURNS_ITS_INPUT:

@@ -21,14 +21,6 @@ from .analysis import Reads, WeightInput, _value
 from .schedule import ADOPT, CARRY, FETCH, Schedule
 
 OPS = torch.ops.offload_compiler
-# readers whose result is always a buffer of its own under inductor (extern kernels): nothing to materialize
-# (not bmm: inductor may decompose a small bmm into a pointwise product and a sum on the CPU,
-# `should_decompose_bmm`, and recompute a gathered expert weight ``w[ids]`` feeding it inside that kernel, after
-# the weight's evict: the gather is materialized instead)
-_EXTERN_READERS = {torch.nn.functional.linear, torch.matmul, torch.mm, torch.addmm,
-                   torch.conv1d, torch.conv2d, torch.conv3d, torch.nn.functional.conv1d,
-                   torch.nn.functional.conv2d, torch.nn.functional.conv3d,
-                   torch.nn.functional.scaled_dot_product_attention, operator.matmul}  # prefetch modes: copy now; use the copy the previous call carried, else copy; carry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,49 +74,15 @@ def _plain_readers(graph: fx.Graph, leaves: list[fx.Node]) -> list[fx.Node]:
     return plain
 
 
-# views share their input's buffer, which the evict realizes in place; casts and copies would not
-_VIEWS = {"view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten", "expand", "unflatten"}
-
-
-def _is_extern(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _EXTERN_READERS
-
-
-def _name(node: fx.Node) -> str:
-    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-
-
-def _feeds_only_externs(node: fx.Node) -> bool:
-    """Every consumer is an extern kernel, directly or through views: inductor gives the value a buffer."""
-    for user in node.users:
-        if _is_extern(user):
-            continue
-        if _name(user) in _VIEWS and _feeds_only_externs(user):
-            continue
-        return False
-    return bool(node.users)
-
-
 def needs_materializing(reader: fx.Node) -> bool:
-    """Inductor may re-compute this weight reader's value inside a consumer's kernel (pointwise readers,
-    gathers) that runs after the weight's evict; extern kernels (matmuls, convolutions, attention), and
-    readers that only feed them, always get a buffer of their own -- unless the reader is an identity inductor
-    lowers to a view of the weight (``F.pad(w, (0, 0))``: a result with its input's exact layout); a tensor
-    written in place (``x[mask] = weight``: a reader with no value of its own) is ordered before the evict
-    through ``x``."""
-    return (reader.op in ("call_function", "call_method") and isinstance(_value(reader), torch.Tensor)
-            and not _is_extern(reader) and (not _feeds_only_externs(reader) or _layout_of_an_input(reader)))
-
-
-def _layout_of_an_input(node: fx.Node) -> bool:
-    """Whether ``node``'s result has the exact size, strides and dtype of one of its tensor inputs."""
-    def layout(value) -> tuple | None:
-        if not isinstance(value, torch.Tensor):
-            return None
-        sizes = (*value.shape, *value.stride(), value.storage_offset())  # compared as expressions: no guards
-        return (value.dtype, *(s.node.expr if isinstance(s, torch.SymInt) else s for s in sizes))
-    own = layout(_value(node))
-    return own is not None and any(layout(_value(i)) == own for i in node.all_input_nodes)
+    """Under inductor every weight reader with a tensor value is copied (`ops.materialize`, an extern call) and
+    later nodes read the copy. Which ops get a buffer of their own and which inductor re-computes inside a
+    consumer's kernel (a pointwise reader, a gather, a matmul with one row decomposed into a product and a sum, a
+    bias added in the next kernel) is inductor's choice, made per shape, device and config; a re-computation may
+    run after the weight's evict and read a freed slot. With the copy the order holds whatever inductor chooses.
+    A tensor written in place (``x[mask] = weight``: a reader with no value of its own) is ordered before the
+    evict through ``x``."""
+    return reader.op in ("call_function", "call_method") and isinstance(_value(reader), torch.Tensor)
 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
