@@ -81,8 +81,11 @@ def needs_materializing(reader: fx.Node) -> bool:
     bias added in the next kernel) is inductor's choice, made per shape, device and config; a re-computation may
     run after the weight's evict and read a freed slot. With the copy the order holds whatever inductor chooses.
     A tensor written in place (``x[mask] = weight``: a reader with no value of its own) is ordered before the
-    evict through ``x``."""
-    return reader.op in ("call_function", "call_method") and isinstance(_value(reader), torch.Tensor)
+    evict through ``x``; a reader whose value is a tensor subclass (a DTensor result) through its inner tensors
+    (`_plain_readers`)."""
+    value = _value(reader)
+    return (reader.op in ("call_function", "call_method") and isinstance(value, torch.Tensor)
+            and not is_traceable_subclass(value))
 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
