@@ -38,6 +38,23 @@ def test_fullgraph_llama_one_graph_no_breaks_no_recompiles():
     stats = offload_stats(compiled)
     assert stats.fetch_count == 5 * 7 and stats.bytes_transferred == 5 * stats.total_bytes
     assert stats.peak_resident_bytes < stats.total_bytes
+    assert assert_traffic_matches_plan(compiled).calls == 5  # the first graph's call counted by its own plan
+
+
+def test_the_plans_account_for_the_first_call_too():
+    """The first call runs the graph torch.compile captured (on a runtime later replaced by one with host
+    masters); the stats count on across the change, and so do the plans that `assert_traffic_matches_plan` reads."""
+    model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),) * 3, False, True, 2, 1))
+    compiled = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu"})
+    with torch.no_grad():
+        compiled(x)
+        compiled(x)
+    stats = assert_traffic_matches_plan(compiled)
+    assert stats.calls == 2 and stats.bytes_transferred == 2 * stats.total_bytes
+    reset_offload_stats(compiled)
+    with torch.no_grad():
+        compiled(x)
+    assert assert_traffic_matches_plan(compiled).calls == 1
 
 
 def test_options_may_carry_a_policy_and_stats_reset():

@@ -113,6 +113,8 @@ class OffloadRuntime:
         self.transfers.expert_groups = self.expert_groups
         self.graph_calls = 0
         self.plan_calls: list[int] = []  # per graph plan: how often it ran (since the last reset_stats)
+        self.earlier_calls: list[tuple[list[int], object, int]] = []  # `calls_by_plan` of the runtimes this one
+        #   counts on from (`continue_stats`)
 
         # the components' state the passes, the backend and the reports read (objects never replaced)
         self.groups = self.host.groups
@@ -251,7 +253,8 @@ class OffloadRuntime:
         return OffloadStats(t.bytes_transferred, t.ledger.peak, t.fetch_count, t.ledger.live, resident, streamed,
                             self.total_bytes, parked, self.unmanaged_bytes, carried, t.carry_hits,
                             self.on_demand.bytes, t.disk_bytes_read, self.host.disk_bytes, t.routed_bytes,
-                            t.routed_fetches, t.expert_bytes, sum(self.plan_calls))
+                            t.routed_fetches, t.expert_bytes,
+                            sum(calls for _, _, calls in self.calls_by_plan()))
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""
@@ -262,8 +265,17 @@ class OffloadRuntime:
         over the traced plain weights): what its first call moved stays counted."""
         self.transfers.continue_counters(previous.transfers)
         self.on_demand.bytes += previous.on_demand.bytes
+        self.earlier_calls = previous.calls_by_plan()
+
+    def calls_by_plan(self) -> list[tuple[list[int], object, int]]:
+        """Each verified graph plan that ran since the last `reset_stats`, as (its runtime's group bytes, the
+        plan, how often it ran): this runtime's and those of the runtimes it counts on from (`continue_stats`),
+        so that the plans account for every byte ``offload_stats`` counts."""
+        nbytes = [g.nbytes for g in self.groups]
+        return self.earlier_calls + [(nbytes, plan, calls) for plan, calls in zip(self.graph_plans, self.plan_calls)]
 
     def reset_stats(self) -> None:
         self.plan_calls = [0] * len(self.plan_calls)
+        self.earlier_calls = []
         self.transfers.reset_counters()
         self.on_demand.reset()

@@ -158,9 +158,8 @@ def planned_traffic(offloaded: Any, resident_filled: bool = False) -> tuple[int,
         raise ValueError("planned_traffic counts per-call fetches: use a policy that streams every group (or pass "
                          "resident_filled=True after a first call), with keep_after_use=False and "
                          "prefetch_next_call=False")
-    nbytes = [g.nbytes for g in runtime.groups]
     moved = fetches = 0
-    for plan, calls in zip(runtime.graph_plans, runtime.plan_calls):
+    for nbytes, plan, calls in runtime.calls_by_plan():
         moved += calls * sum(nbytes[i.group] for i in plan.schedule.instances)
         fetches += calls * plan.verified.fetches
     return moved, fetches
@@ -172,7 +171,7 @@ def planned_routed(offloaded: Any) -> tuple[int, int]:
     by its slot (`passes.routed`)."""
     runtime = state_of(offloaded).runtime
     fetches = bound = 0
-    for plan, calls in zip(runtime.graph_plans, runtime.plan_calls):
+    for _, plan, calls in runtime.calls_by_plan():
         fetches += calls * plan.verified.routed_fetches
         bound += calls * plan.verified.routed_bound_bytes
     return fetches, bound
@@ -186,7 +185,7 @@ def assert_traffic_matches_plan(offloaded: Any, resident_filled: bool = False) -
     stats = offload_stats(offloaded)
     moved, fetches = planned_traffic(offloaded, resident_filled)
     routed_fetches, routed_bound = planned_routed(offloaded)
-    assert any(state_of(offloaded).runtime.plan_calls), "no offloaded graph ran since the last reset_offload_stats"
+    assert stats.calls, "no offloaded graph ran since the last reset_offload_stats"
     whole = stats.bytes_transferred - stats.routed_bytes
     assert (whole, stats.fetch_count) == (moved, fetches), (
         f"moved {whole} B in {stats.fetch_count} whole fetches; the plans say {moved} B in {fetches}")
