@@ -169,9 +169,9 @@ def release_device_copies(module: Any) -> int:
 
 def describe_plan(module: Any) -> str:
     state = _state(module)
-    if state.runtime is None:
+    if state.awaits_plan:
         return (f"offload plan for {state.name}: strategy='auto', not planned yet (it plans at its first call, or "
-                f"at m.plan(*inputs))")
+                f"at m.plan(*inputs); a part called before that streams one block at a time)")
     saving = _saving_line(state.runtime)
     return state.runtime.describe() + (f"\n{saving}" if saving else "")
 
@@ -195,7 +195,7 @@ def offload_groups(module: Any) -> list[OffloadGroup]:
     resident (what `describe_plan` prints, as data). Before ``strategy="auto"`` has planned (at its first
     call or ``m.plan(...)``) there are none."""
     runtime = _runtime(module)
-    if runtime is None:
+    if _state(module).awaits_plan:
         return []
     return [OffloadGroup(g.index, g.name, g.nbytes, g.streamed) for g in runtime.groups]
 
@@ -205,7 +205,7 @@ def plan_summary(module: Any) -> dict[str, Any]:
     bytes and residency; each captured graph's fetches per call and verified peak; the device weight peak as a
     share of the model. Before ``strategy="auto"`` has planned: ``{"model": ..., "planned": False}``."""
     state = _state(module)
-    if state.runtime is None:
+    if state.awaits_plan:
         return {"model": state.name, "strategy": state.policy.strategy, "planned": False}
     return runtime_plan_dict(state.runtime)
 

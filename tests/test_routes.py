@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_compiler import (OffloadedModule, OffloadPolicy, inject_fault, offload_compile, offload_stats,
-                              remove_offload, reset_offload_stats)
+from offload_compiler import (OffloadedModule, OffloadPolicy, describe_plan, inject_fault, offload_compile,
+                              offload_groups, offload_plan, offload_stats, remove_offload, reset_offload_stats)
 from offload_compiler.testing.models import _diffusion_parts, llama, unet
 from offload_compiler.testing import assert_traffic_matches_plan
 
@@ -197,11 +197,27 @@ def test_auto_plans_at_whatever_call_comes_first():
     assert m._offload_runtime is not None and offload_stats(m).fetch_count > 0
 
 
-def test_auto_refuses_a_part_called_before_the_whole_model():
-    model, inputs, _ = _llama()
+def test_auto_streams_a_part_called_before_the_whole_model_then_plans_at_its_first_whole_call():
+    """An encoder-decoder's ``generate`` calls its encoder before the model: until a whole call plans, parts stream
+    one block at a time (every group, exactly as the verified plans say); the whole call then plans, and the stats
+    count on across the change of runtime."""
+    model, inputs, plain = _llama()
+    ids = inputs["input_ids"]
     m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb="free"))
-    with pytest.raises(RuntimeError, match="plans from a call of the whole"):
-        m.model(input_ids=inputs["input_ids"])
+    with torch.no_grad():
+        assert torch.equal(m.model(input_ids=ids).last_hidden_state, plain.model(input_ids=ids).last_hidden_state)
+    before = assert_traffic_matches_plan(m)  # the part's graph fetched every group of its blocks, once each
+    assert before.fetch_count > 0 and before.peak_resident_bytes < before.total_bytes
+    assert "not planned yet" in describe_plan(m) and offload_groups(m) == []
+    with pytest.raises(ValueError, match="no auto offload plan"):
+        offload_plan(m)
+    with torch.no_grad():
+        assert torch.equal(m(**inputs).logits, plain(**inputs).logits)  # the first whole call plans
+    assert offload_plan(m).prefetch >= 0 and offload_groups(m)
+    after = offload_stats(m)
+    assert after.bytes_transferred > before.bytes_transferred and after.calls == before.calls + 1
+    with torch.no_grad():
+        assert torch.equal(m.model(input_ids=ids).last_hidden_state, plain.model(input_ids=ids).last_hidden_state)
 
 
 class HeadAfterLoop(nn.Module):

@@ -329,6 +329,21 @@ def test_a_tiny_llama_generates_as_on_the_cpu():
     assert torch.equal(got.cpu(), expected)
 
 
+@pytest.mark.slow
+def test_auto_on_an_encoder_decoder_generates_from_its_encoder_first():
+    """``generate`` of an encoder-decoder calls its encoder before the whole model: ``auto`` streams that part
+    block by block until the first whole call plans (no refusal), and the tokens are the plain model's."""
+    from offload_compiler.testing.models import ARCHITECTURES
+    model, kwargs = ARCHITECTURES["bart"]()
+    ids = kwargs["input_ids"]
+    expected = copy.deepcopy(model).generate(ids, max_new_tokens=4, do_sample=False)
+    m = offload_compile(copy.deepcopy(model), _policy(strategy="auto", device_budget_gb="free"))
+    got = m.generate(ids.to(DEVICE), max_new_tokens=4, do_sample=False)
+    assert torch.equal(got.cpu(), expected)
+    stats = offload_stats(m)
+    assert m.offload_policy.strategy == "auto" and stats.on_demand_bytes == 0 and stats.fetch_count > 0
+
+
 def test_kernels_the_cpu_lacks_compute_as_cuda_does():
     """Convolutions (an out-of-tree device's reach ``convolution_overrideable``) and ``histc`` of integers (which
     CUDA counts and the CPU kernel refuses) run on the device, so models using them run here as on CUDA."""

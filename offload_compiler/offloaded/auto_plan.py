@@ -10,6 +10,7 @@ from .state import OffloadState
 
 def plan_model(state: OffloadState, args: tuple, kwargs: dict) -> None:
     """Plan the whole model from this call and build its runtime (its forwards are the caller's to install)."""
+    before = state.release_runtime_before_plan()
     try:
         with state.tracing_through():
             plan = plan_offload(state.owner, state.policy, *args, **kwargs)
@@ -18,7 +19,7 @@ def plan_model(state: OffloadState, args: tuple, kwargs: dict) -> None:
                        f"weights are unchanged); to change the budget: offload_compile(remove_offload(m), "
                        f"policy.replace(device_budget_gb=...))")
         raise
-    state.planned(plan)
+    state.planned(plan, before)
 
 
 def plan_component(state: OffloadState, path: str, args: tuple, kwargs: dict) -> None:

@@ -79,11 +79,11 @@ class _OffloadedForward:
         state = self._state
         with state.lock:
             state.check_usable()
-            if state.runtime is None:
-                if not self._root:
-                    raise OffloadRefusal(f"strategy='auto' plans from a call of the whole {state.name}: call the "
-                                         f"model (or m.plan(...)) once before calling its parts on their own")
-                plan_now(state, args, kwargs)
+            if state.awaits_plan:
+                if self._root:
+                    plan_now(state, args, kwargs)
+                elif state.runtime is None:
+                    state.stream_before_plan()
             elif state.unplanned:
                 path = state.path_of(self._module)
                 if path in state.unplanned:

@@ -29,7 +29,7 @@ class OffloadedModule(nn.Module):
     @property
     def offload_policy(self) -> OffloadPolicy:
         state = self._offload
-        return state.policy if state.runtime is None else state.runtime.policy
+        return state.policy if state.awaits_plan else state.runtime.policy
 
     @property
     def _offload_runtime(self) -> OffloadRuntime | None:

@@ -136,10 +136,34 @@ class OffloadState:
 
     # -- runtimes -----------------------------------------------------------------------------------------
 
-    def planned(self, plan: OffloadPlan) -> None:
-        """``auto`` on a model: its runtime, built as ``plan`` says."""
+    @property
+    def awaits_plan(self) -> bool:
+        """``auto`` on a model that no whole call has planned yet (``generate`` of an encoder-decoder calls its
+        encoder first): its parts stream meanwhile (`stream_before_plan`)."""
+        return self.policy.strategy == "auto" and self.plan is None and self.modules is self.owner
+
+    def stream_before_plan(self) -> None:
+        """``auto``: a part is called before the whole model planned. Until the plan, every group streams one
+        block at a time, prefetching one: the least device memory any plan of the model needs."""
+        self.runtime = build_runtime(self.owner, self.policy.replace(blocks_per_group=1, prefetch=1,
+                                                                     prefetch_next_call=False))
+
+    def release_runtime_before_plan(self) -> OffloadRuntime | None:
+        """``auto`` is about to plan: the runtime its parts streamed on before (`stream_before_plan`), if any, gives
+        the weights back (the planner traces the plain model) and is returned, for `planned` to count on from."""
+        before, self.runtime = self.runtime, None
+        if before is not None:
+            before.unpack()
+        return before
+
+    def planned(self, plan: OffloadPlan, before: OffloadRuntime | None = None) -> None:
+        """``auto`` on a model: its runtime, built as ``plan`` says; its stats count on from ``before`` (the runtime
+        parts streamed on before the plan), whose compiled forwards compile again."""
         self.runtime = planned_runtime(self.owner, self.policy, plan)
         self.plan = plan
+        if before is not None:
+            self.runtime.continue_stats(before)
+            self.recompile()
 
     def component_planned(self, path: str, plan: OffloadPlan) -> None:
         """``auto`` on a pipeline: denoiser ``path`` is planned; the runtime is built again with the planned groups
