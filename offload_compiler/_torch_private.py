@@ -13,7 +13,9 @@ changes it (`test_no_private_torch_outside_this_module` checks that no other mod
 1. ``torch._dynamo.eval_frame.OptimizedModule`` and its ``_orig_mod``: the wrapper ``torch.compile(module)``
    returns, and the model inside it (`compiled_module_of`, `compiled_models`: the ``omni_offload`` backend
    finds its model among the live wrappers by the identity of the graph's weights, since a backend is handed
-   a graph and never the module). No public type or accessor. Test: ``test_optimized_module_wraps_the_model``.
+   a graph and never the module); and ``nn.Module._compiled_call_impl``, set by ``model.compile(...)`` (a
+   module compiled in place; ``m.forward = torch.compile(m.forward)`` is found through ``functools.wraps``'s
+   public ``__wrapped__``). No public type or accessor. Test: ``test_optimized_module_wraps_the_model``.
 2. Dynamo's frame-converter chain (``torch._dynamo.convert_frame.CatchErrorsWrapper``, ``ConvertFrame``,
    ``ConvertFrameAssert``, their ``_torchdynamo_orig_backend``; ``eval_frame._TorchDynamoContext``, ``_stance``,
    ``innermost_backend``): `compile_under_config` runs dynamo's compile of our frames, and only that, under
@@ -101,6 +103,18 @@ def compiled_module_of(obj: Any) -> Any:
     return obj._orig_mod if isinstance(obj, OptimizedModule) else obj
 
 
+def _wraps_own_forward(module: nn.Module) -> bool:
+    """Whether the instance's ``forward`` wraps (``functools.wraps``, as ``torch.compile`` does) the module's own."""
+    wrapped = module.__dict__.get("forward")
+    for _ in range(3):  # torch.compile's wrapper, and one more for torch.nn's own modules
+        wrapped = getattr(wrapped, "__wrapped__", None)
+        if wrapped is None:
+            return False
+        if getattr(wrapped, "__self__", None) is module:
+            return True
+    return False
+
+
 def compiled_models() -> list[nn.Module]:
     """The modules inside every live ``torch.compile`` wrapper (``OptimizedModule``). A backend is handed a graph
     and its inputs, never the module being compiled; the weights among those inputs are the module's own tensor
@@ -108,7 +122,15 @@ def compiled_models() -> list[nn.Module]:
     is on the Python stack nor from how it spells a weight's source (both changed under transformers 5's
     wrapped forwards). The garbage collector's list is walked once per graph compiled (about 0.1 s with
     transformers imported); ``type(obj)`` does not run the ``__class__`` properties of lazy module objects."""
-    return [obj._orig_mod for obj in gc.get_objects() if issubclass(type(obj), OptimizedModule)]
+    found = []
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if issubclass(kind, OptimizedModule):
+            found.append(obj._orig_mod)
+        elif issubclass(kind, nn.Module) and (obj.__dict__.get("_compiled_call_impl") is not None
+                                              or _wraps_own_forward(obj)):
+            found.append(obj)  # compiled in place: ``model.compile(...)``, ``m.forward = torch.compile(m.forward)``
+    return found
 
 
 # ---- 2. the frame-converter chain: our compiles under capture_config ----------------------------------------

@@ -184,6 +184,48 @@ def test_the_backend_offloads_in_place_so_generate_streams_too(compiler):
     assert offload_stats(c) == offload_stats(model)
 
 
+@pytest.mark.newest_torch
+@pytest.mark.parametrize("how", ["model.compile", "model.forward = torch.compile(model.forward)"])
+def test_a_model_compiled_in_place_with_the_backend_streams_generate_from_its_first_call(how):
+    """torch's in-place idioms (``nn.Module.compile``, and transformers' ``model.forward = torch.compile(...)``)
+    compile the calls that ``generate`` makes: the first graph offloads the model, and every call streams the plan."""
+    model, inputs, plain = _llama()
+    ids = inputs["input_ids"]
+    options = {"strategy": "layerwise", "device": "cpu"}
+    own_forward = None
+    if how == "model.compile":
+        model.compile(backend="omni_offload", options=options)
+    else:
+        own_forward = model.forward = torch.compile(model.forward, backend="omni_offload", options=options)
+    with torch.no_grad():
+        assert torch.equal(_tokens(model, ids), _tokens(plain, ids))
+    assert isinstance(model, OffloadedModule)
+    stats = assert_traffic_matches_plan(model)  # the first call (the graph torch captured) by its own plan too
+    assert stats.calls == 3 and stats.bytes_transferred == 3 * stats.total_bytes
+    assert stats.peak_resident_bytes < stats.total_bytes
+    remove_offload(model)
+    assert model.__dict__.get("forward") is own_forward  # the user's compiled forward, given back
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_forward_set_on_the_instance_before_offloading_is_what_the_model_runs(device):
+    """A wrapper set as ``model.forward`` (by the user or a library) is part of what the model computes: the
+    offloaded graph runs it, and ``remove_offload`` gives it back."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if device == "sim" else device
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    class_forward = model.forward
+    model.forward = wrapper = lambda x: class_forward(x) * 2 + 1  # noqa: E731
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device))
+        got = m(x.to(device)).cpu()
+    assert torch.equal(got, expected)
+    assert assert_traffic_matches_plan(m).fetch_count == 3
+    assert remove_offload(m).__dict__["forward"] is wrapper
+
+
 @pytest.mark.slow
 @pytest.mark.newest_torch
 def test_auto_plans_at_whatever_call_comes_first():

@@ -51,6 +51,12 @@ def test_optimized_module_wraps_the_model():
     wrapper = torch.compile(model)  # nothing compiled until called
     assert private.compiled_module_of(wrapper) is model and private.compiled_module_of(model) is model
     assert any(found is model for found in private.compiled_models())
+    in_place, by_forward, plain = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    in_place.compile()  # nn.Module.compile: torch.compile of its _call_impl, kept in _compiled_call_impl
+    by_forward.forward = torch.compile(by_forward.forward)  # functools.wraps: __wrapped__ is the module's forward
+    found = private.compiled_models()
+    assert any(m is in_place for m in found) and any(m is by_forward for m in found)
+    assert not any(m is plain for m in found)
 
 
 # 2

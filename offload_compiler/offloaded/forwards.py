@@ -54,6 +54,7 @@ class _OffloadedForward:
         self._root = module is state.owner
         self._method = method
         self._warned_inputs = False
+        self.previous = function  # what the instance set as this method before offloading (given back at detach)
         self.forward = function if function is not None else getattr(type(module), method).__get__(module)
         self.through = _TraceThrough(self)
         self._compiled = None
@@ -309,11 +310,20 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
     for module in modules_with_forwards(model, state):
         for method in ("forward",) + entry_methods(module):
             if (module, method) not in state.forwards:
-                state.add_forward(module, method, _OffloadedForward(module, state, method))
+                own = _set_on_instance(module, method)
+                state.add_forward(module, method, _OffloadedForward(module, state, method, function=own))
     routed = {module for module, _ in state.forwards}
     for module in weight_holders(state, model):
         if module not in routed and module not in state.parts and type(module).forward is not nn.Module.forward:
             state.route_part(module, _RoutedPart(module, state, module.__dict__.get("forward")))
+
+
+def _set_on_instance(module: nn.Module, method: str) -> Any:
+    """What the instance itself sets as ``module.method`` (a wrapper the user or a library set before offloading;
+    the model's class method runs it), else None. A routed part installed before (``auto``, before its plan) stands
+    for what it replaced."""
+    own = module.__dict__.get(method)
+    return own.previous if isinstance(own, _RoutedPart) else own
 
 
 def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
@@ -327,7 +337,8 @@ def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
         if not inspect.ismethod(getattr(module, method, None)):
             raise ValueError(f"{type(module).__name__}.{method} is not a method of the module; register_offload_method "
                              f"takes the name of a method its class defines (forward is routed already)")
-        state.add_forward(module, method, _OffloadedForward(module, state, method))
+        own = _set_on_instance(module, method)
+        state.add_forward(module, method, _OffloadedForward(module, state, method, function=own))
 
 
 def plan_now(state: OffloadState, args: tuple, kwargs: dict) -> OffloadPlan:

@@ -114,8 +114,10 @@ class OffloadState:
         with self.lock:
             if self.runtime is not None:
                 self.runtime.unpack()
-            for module, method in self.forwards:
+            for (module, method), forward in self.forwards.items():
                 module.__dict__.pop(method, None)
+                if forward.previous is not None:
+                    module.__dict__[method] = forward.previous
             for attributes, _, previous in self.parts.values():
                 attributes.pop("forward", None)
                 if previous is not None:
