@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from offload_compiler import OffloadPolicy, OffloadRefusal, offload_compile, remove_offload, reset_offload_stats
+from offload_compiler import OffloadedModule, OffloadPolicy, OffloadRefusal, offload_compile, remove_offload, \
+    reset_offload_stats
 from offload_compiler.testing import assert_traffic_matches_plan
 
 CPU = dict(device="cpu")
@@ -329,3 +330,37 @@ def test_a_frame_dynamo_skipped_for_an_earlier_model_streams_for_the_next_one_to
         plain = remove_offload(m)
         with torch.no_grad():
             assert torch.equal(plain(x), expected)
+
+
+def _weights(model):
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def test_another_offloaders_hooks_are_refused_naming_how_to_remove_them():
+    """accelerate's hooks and diffusers' group offloading move the weights at every call, as offloading does: both
+    on one model would move host masters under our graphs. Refused before anything changes; with the hooks
+    removed as the error says, the model offloads and streams its plan."""
+    import accelerate
+    from offload_compiler.testing.models import flux
+    model = Stack().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    accelerate.cpu_offload(model, execution_device="cpu")
+    with pytest.raises(ValueError, match=r"accelerate's hooks .*remove_hook_from_module\(model, recurse=True\)"):
+        offload_compile(model, OffloadPolicy(strategy="layerwise", **CPU))
+    assert not isinstance(model, OffloadedModule)
+    accelerate.hooks.remove_hook_from_module(model, recurse=True)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", **CPU))
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+    assert assert_traffic_matches_plan(m).fetch_count == 4
+
+    transformer, _ = flux()
+    transformer.enable_group_offload(onload_device=torch.device("cpu"), offload_type="block_level",
+                                     num_blocks_per_group=1)
+    before = _weights(transformer)
+    with pytest.raises(ValueError, match="group offloading enabled .*without enable_group_offload"):
+        offload_compile(transformer, OffloadPolicy(strategy="layerwise", **CPU))
+    after = _weights(transformer)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
