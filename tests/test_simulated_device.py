@@ -471,6 +471,24 @@ def test_the_hypothesis_helpers_draw_policies_for_the_device():
     check()
 
 
+@pytest.mark.slow  # two random models, each planned and captured
+def test_the_hypothesis_helpers_draw_valid_auto_policies():
+    """A user's suite may ask the helpers for ``auto``: each policy drawn is valid (it plans within the free
+    device memory) and its model runs as the plain one."""
+    from hypothesis import given, settings
+    from offload_compiler.testing import block_models, policies
+
+    @settings(deadline=None, max_examples=2, derandomize=True)
+    @given(block_models(max_blocks=2), policies(strategies=["auto"], devices=[DEVICE]))
+    def check(model_and_input, policy):
+        torch._dynamo.reset()
+        model, x = model_and_input
+        assert policy.device_budget_gb == "free"
+        assert_offload_equivalent(model, policy, x)
+
+    check()
+
+
 def test_a_recompile_with_dynamic_shapes_on_the_device():
     """A recompile with dynamic shapes takes fake tensors' slow path for a broadcasting op, whose device check
     would refuse a host weight beside a device activation: the weights are host masters, device tensors to
