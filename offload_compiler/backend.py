@@ -27,7 +27,7 @@ from .passes.schedule import Schedule, build_schedule
 from .passes.slots import assign_slots, pool_bytes
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
-from .host_masters import OnDemand, with_host_masters
+from .host_masters import OnDemand, replace_tensors, with_host_masters
 from .runtime import OffloadRuntime, size_class
 from .storage import FilledBuckets
 
@@ -52,13 +52,19 @@ def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, m
     they live on the compute device."""
     device = policy.torch_device
     managed = {id(w.tensor) for spec in specs for w in spec.weights}
+    moved: dict[int, torch.Tensor] = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor is None or id(tensor) in managed or tensor.device == device:
             continue
         if not move:
             raise ValueError(f"{name} is outside the offloaded groups, so it must live on {device}, but it is on "
                              f"{tensor.device}: move the model to {device} before torch.compile, or use offload_compile")
-        tensor.data = tensor.data.to(device)
+        # a new tensor in its place, as nn.Module.to makes where ``.data =`` cannot change the device (PrivateUse1
+        # backends: Ascend's NPU, the simulated accelerator); ties stay ties
+        on_device = tensor.detach().to(device)
+        moved[id(tensor)] = (nn.Parameter(on_device, requires_grad=tensor.requires_grad)
+                             if isinstance(tensor, nn.Parameter) else on_device)
+    replace_tensors(model, moved)
 
 
 def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True,

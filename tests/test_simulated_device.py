@@ -344,6 +344,27 @@ def test_auto_on_an_encoder_decoder_generates_from_its_encoder_first():
     assert m.offload_policy.strategy == "auto" and stats.on_demand_bytes == 0 and stats.fetch_count > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,fields", [("layerwise", {}), ("budget", {"offload_gb": 1e-4}), ("model", {}),
+                                             ("auto", {"device_budget_gb": "free"})])
+def test_a_pipeline_streams_on_the_device_and_keeps_its_vae_there(strategy, fields):
+    """A pipeline object (CLIP text encoder, Flux transformer, VAE): the VAE, in no group, is moved to the device
+    as nn.Module.to would move it (a new tensor in its place: ``.data =`` cannot change a PrivateUse1 tensor's
+    device), the rest streams; two denoising steps and the decode equal the CPU pipeline's."""
+    from offload_compiler.testing.models import diffusion_pipeline
+    pipe, inputs = diffusion_pipeline()
+    expected = pipe(**inputs)
+    offloaded, _ = diffusion_pipeline()
+    p = offload_compile(offloaded, _policy(strategy=strategy, **fields))
+    assert all(t.device == torch.device(DEVICE) for t in p.vae.state_dict().values())
+    for _ in range(2):
+        torch.testing.assert_close(p(**{k: v.to(DEVICE) for k, v in inputs.items()}).cpu(), expected)
+    stats = offload_stats(p)
+    assert stats.fetch_count > 0 and stats.on_demand_bytes == 0 and stats.peak_resident_bytes < stats.total_bytes
+    if strategy == "layerwise":
+        assert_traffic_matches_plan(p)
+
+
 def test_kernels_the_cpu_lacks_compute_as_cuda_does():
     """Convolutions (an out-of-tree device's reach ``convolution_overrideable``) and ``histc`` of integers (which
     CUDA counts and the CPU kernel refuses) run on the device, so models using them run here as on CUDA."""
