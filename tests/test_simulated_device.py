@@ -44,6 +44,24 @@ def test_ops_compute_as_on_the_cpu_and_a_host_tensor_raises_at_the_op():
     assert (x.to(DEVICE) * torch.tensor(2.0)).device.type == "sim"  # a CPU scalar is allowed, as on CUDA
 
 
+def test_what_cuda_allows_the_device_allows():
+    """A composite op's Python scalar (``x % 16`` reaches the kernel as remainder.Tensor_out with the number) and
+    host index tensors of advanced indexing (CUDA copies them over) compute as on CUDA; any other host tensor
+    still raises."""
+    x = torch.arange(12, device=DEVICE).reshape(4, 3)
+    host = x.cpu()
+    for op in (lambda t: t % 5, lambda t: t.fmod(4), lambda t: t & 6, lambda t: t | 8, lambda t: t.float() % 2.5):
+        got = op(x)
+        assert got.device.type == "sim" and got.dtype == op(host).dtype and torch.equal(got.cpu(), op(host))
+    index = torch.tensor([2, 0])
+    assert torch.equal(x[index].cpu(), host[index])
+    x[index] = 7
+    host[index] = 7
+    assert torch.equal(x.cpu(), host)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        x + torch.ones(4, 3, dtype=torch.long)
+
+
 def test_memory_counters_follow_allocations():
     gc.collect()  # device memory of earlier tests' models in reference cycles goes first, not mid-test
     before = sim.memory_allocated()
@@ -363,6 +381,38 @@ def test_a_pipeline_streams_on_the_device_and_keeps_its_vae_there(strategy, fiel
     assert stats.fetch_count > 0 and stats.on_demand_bytes == 0 and stats.peak_resident_bytes < stats.total_bytes
     if strategy == "layerwise":
         assert_traffic_matches_plan(p)
+
+
+@pytest.mark.slow
+def test_the_qwen2_5_omni_thinker_streams_on_the_device_through_its_graph_breaks():
+    """The thinker whose audio tower dynamo cannot capture whole (data-dependent shapes, ``Tensor.item()``): the
+    frames after its breaks run without a graph, their modules run as offloaded graphs of their own, and
+    the device's own kernels are never compiled as part of the model. Outputs equal the CPU model's."""
+    from offload_compiler.testing.omni_models import omni_thinker
+    model, kwargs = omni_thinker()
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(**kwargs).logits
+    m = offload_compile(copy.deepcopy(model), _policy(prefetch=1))
+    with torch.no_grad():
+        got = m(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}).logits
+    torch.testing.assert_close(got.cpu(), expected)
+    stats = offload_stats(m)
+    assert stats.fetch_count > 0 and stats.peak_resident_bytes < stats.total_bytes
+
+
+@pytest.mark.slow
+def test_the_omni_stages_alternate_on_the_device():
+    """Thinker, talker and token2wav called one by one (`run_stages`) under ``alternating``: each stage's outputs
+    equal the CPU model's, one component on the device at a time."""
+    from offload_compiler.testing.omni_models import omni_full_with_inputs, run_stages
+    model, inputs = omni_full_with_inputs()
+    expected = run_stages(copy.deepcopy(model), inputs)
+    m = offload_compile(copy.deepcopy(model), _policy(strategy="alternating"))
+    got = run_stages(m, {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name].cpu(), value, msg=name)
+    stats = offload_stats(m)
+    assert stats.fetch_count >= 3 and stats.peak_resident_bytes < stats.total_bytes
 
 
 def test_kernels_the_cpu_lacks_compute_as_cuda_does():

@@ -296,12 +296,12 @@ def run_stages(model: nn.Module, inputs: dict,
 
     # (b) talker --------------------------------------------------------------------------------------------
     embed = model.thinker.get_input_embeddings()
-    bos = torch.full((batch, 1), int(inputs["speaker_bos_token"]), dtype=torch.long)
+    bos = torch.full((batch, 1), int(inputs["speaker_bos_token"]), dtype=torch.long, device=input_ids.device)
     reply_part = last_hidden[:, prompt_len:] + token_embeds[:, prompt_len:]
     talker_inputs_embeds = torch.cat(
         [last_hidden[:, :prompt_len] + token_embeds[:, :prompt_len], embed(bos), reply_part[:, :1]], dim=1)
-    eos_embed = embed(torch.full((batch, 1), model.talker.text_eos_token, dtype=torch.long))
-    pad_embed = embed(torch.full((batch, 1), model.talker.text_pad_token, dtype=torch.long))
+    eos_embed = embed(bos.new_full((batch, 1), model.talker.text_eos_token))
+    pad_embed = embed(bos.new_full((batch, 1), model.talker.text_pad_token))
     thinker_reply_part = torch.cat([reply_part[:, 1:], eos_embed, pad_embed], dim=1)
     talker_input_text_ids = torch.cat([input_ids, bos, reply_ids[:, :1]], dim=1)
     talker_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 2))], dim=1)

@@ -16,7 +16,10 @@ How it is built (torch's public extension points for an out-of-tree backend, no 
 - one catch-all fallback kernel for the key: view ops run torch's own CPU kernels on the device tensors
   (they only touch metadata), every other op runs on CPU views of its device arguments and its fresh
   outputs are copied into new device memory; where the CPU kernel does not do what CUDA's does (convolutions
-  reach ``convolution_overrideable`` off the CPU and CUDA; ``histc`` of integers), `_CUDA_KERNELS` stands in.
+  reach ``convolution_overrideable`` off the CPU and CUDA; ``histc`` of integers), `_CUDA_KERNELS` stands in;
+  what CUDA accepts, it accepts: a composite op's Python scalar operand (``x % 16``) and host index tensors
+  of advanced indexing. The kernel runs outside dynamo (``torch.compiler.disable``): called from a frame that
+  dynamo runs without a graph, it is the device's, not the model's code.
 
 The checker (`_Checker`) keeps a vector clock per stream: an op on stream S ticks S's own entry, an event
 snapshots the clock of the stream it is recorded on, and a wait joins that snapshot into the waiting
@@ -436,6 +439,13 @@ def _same_device_error(op) -> RuntimeError:
                         f"{NAME}:0 and cpu! (when running {op} on the simulated device)")
 
 
+_HOST_INDEXED = ("aten::index.", "aten::index_put", "aten::_index_put_impl_")
+
+
+def _as_tensor(value: Any) -> Any:
+    return torch.tensor(value) if isinstance(value, (bool, int, float, complex)) else value
+
+
 class _Args:
     """An op's arguments with every device tensor replaced by a CPU view of its memory, and what it reads
     and writes, as (block address, start, end)."""
@@ -455,16 +465,26 @@ class _Args:
         names = [a.name for a in op._schema.arguments]
         self.copy = op in _COPIES
         self.host_source: torch.Tensor | None = None
-        self.args = tuple(self._arg(v, names[i] in written if i < len(names) else False) for i, v in enumerate(args))
-        self.kwargs = {k: self._arg(v, k in written, k in self.out_names) for k, v in kwargs.items()}
+        # a composite op's scalar operand (``x % 16``: remainder.Scalar calls remainder.Tensor_out with a wrapped
+        # number) reaches a Python kernel as the number itself: the CPU kernel takes it as a 0-dim tensor again
+        tensors = {a.name for a in op._schema.arguments if str(a.type) == "Tensor"}
+        args = tuple(_as_tensor(v) if i < len(names) and names[i] in tensors else v for i, v in enumerate(args))
+        kwargs = {k: _as_tensor(v) if k in tensors else v for k, v in kwargs.items()}
+        # CUDA's advanced indexing takes host index tensors (it copies them to the device first)
+        host_ok = {"indices"} if op.name().startswith(_HOST_INDEXED) else set()
+        self.args = tuple(self._arg(v, names[i] in written if i < len(names) else False,
+                                    host_ok=i < len(names) and names[i] in host_ok) for i, v in enumerate(args))
+        self.kwargs = {k: self._arg(v, k in written, k in self.out_names, k in host_ok) for k, v in kwargs.items()}
 
-    def _arg(self, value: Any, written: bool, out: bool = False) -> Any:
+    def _arg(self, value: Any, written: bool, out: bool = False, host_ok: bool = False) -> Any:
         if isinstance(value, torch.Tensor):
             if out and value.device.type == NAME:
                 return self._out(value)
+            if host_ok and value.device.type == "cpu":
+                return value
             return self._tensor(value, written)
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(self._arg(v, written, out) for v in value)
+            return type(value)(self._arg(v, written, out, host_ok) for v in value)
         if isinstance(value, torch.device) and value.type == NAME:
             return torch.device("cpu")
         return value
@@ -503,7 +523,7 @@ class _Args:
         return view
 
 
-def _kernel(op, *args, **kwargs):
+def _kernel_traced(op, *args, **kwargs):
     """Every op on the simulated device."""
     checker = _checker()
     with checker.lock:
@@ -539,6 +559,11 @@ def _kernel(op, *args, **kwargs):
         if checker.capture is not None and stream.id in checker.capture.streams:
             checker.capture.ops.append((op, args, kwargs, result))
         return result
+
+
+# A kernel written in Python is a Python frame: called from a frame that dynamo runs (the code after a graph
+# break), dynamo would compile the device's own kernel. A device's kernels are never part of the user's program.
+_kernel = torch.compiler.disable(_kernel_traced, reason="the simulated device's kernel")
 
 
 def _histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
