@@ -570,6 +570,18 @@ def test_a_recompile_with_dynamic_shapes_on_the_device():
         torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
 
 
+def test_auto_plans_each_model_of_a_class_from_its_own_shapes_on_the_device():
+    """``auto`` captures the model to plan it: that capture compiles with static shapes from a code object of its
+    own, so the models of a class planned before (other shapes, in a user's property-based suite) neither make
+    it dynamic (fake tensors' slow path then refused a host weight beside a device activation) nor fill the
+    class forward's cache."""
+    for seq in (2, 3, 4):
+        model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),) * 2, False, False, seq, 1))
+        m = offload_compile(copy.deepcopy(model).eval(), _policy(strategy="auto", device_budget_gb="free"))
+        torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
+        assert offload_stats(m).calls == 1
+
+
 @pytest.mark.parametrize("stage,exception", [("fetch", RuntimeError("copy failed")), ("evict", KeyboardInterrupt())])
 @pytest.mark.parametrize("carry", [False, True])
 def test_a_fault_or_interrupt_mid_call_leaves_the_model_whole_on_the_device(stage, exception, carry):

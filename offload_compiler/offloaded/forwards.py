@@ -17,7 +17,6 @@ import contextlib
 import copy
 import inspect
 import logging
-import types
 import warnings
 from typing import Any
 
@@ -31,6 +30,7 @@ from ..backend import RuntimeBackend
 from ..errors import OffloadRefusal
 from ..host_masters import HostMaster
 from ..planning.auto import OffloadPlan
+from ..planning.capture import own_frame
 from ..runtime import OffloadRuntime
 from .auto_plan import plan_component, plan_model
 from .call_io import describe_inputs, inference_only, moved_to, tensor_leaves
@@ -103,7 +103,7 @@ class _OffloadedForward:
                     # dynamo may have given up on a frame of this failed call (the model's own ``raise`` on a bad
                     # input, traced: "Failed to handle graph break gracefully") and run that code object without
                     # a graph from then on: our forwards' frames included, so every later call would read its
-                    # weights on demand. Fresh code objects for them (`_own_frame`) at the next call.
+                    # weights on demand. Fresh code objects for them (`own_frame`) at the next call.
                     state.recompile()
                 raise
             finally:
@@ -127,7 +127,7 @@ class _OffloadedForward:
     def _compile(self, runtime: OffloadRuntime) -> Any:
         """The module's forward compiled with our backend; dynamo's raised limits and logging calls traced as no-ops
         (`_torch_private.capture_config`) are in force while it compiles, not while it runs."""
-        self._compiled = compile_under_config(_own_frame(self.forward), backend=RuntimeBackend(runtime),
+        self._compiled = compile_under_config(own_frame(self.forward), backend=RuntimeBackend(runtime),
                                               fullgraph=runtime.policy.fullgraph,
                                               options={"guard_filter_fn": _PART_GUARDS})  # popped by torch
         return self._compiled
@@ -185,21 +185,6 @@ class _OffloadedForward:
             warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
                           f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=5)
         return args, kwargs, needs_grad
-
-
-def _own_frame(function: Any) -> Any:
-    """``function``, called from a frame whose code object belongs to this one forward. Dynamo keeps its compiled
-    graphs (and counts recompiles) on the code object of the frame it compiles. Compiling the module's forward
-    itself would put the graphs of every offloaded model of a class -- of every transformers class, whose
-    forwards share one decorator ``wrapper`` -- on that shared code object: a later ``torch.compile`` of any model
-    with that forward (``backend="omni_offload"`` included) would then meet dynamo's recompile limit at its
-    first call and silently run un-compiled (for ``omni_offload``: un-offloaded), and every call of every model
-    would check all those graphs' guards. Dynamo traces into ``function`` from here (inlined, no cache entry)."""
-    def offloaded_call(*args: Any, **kwargs: Any) -> Any:
-        return function(*args, **kwargs)
-    code = offloaded_call.__code__.replace()  # a new code object, not shared with any other forward
-    return types.FunctionType(code, offloaded_call.__globals__, offloaded_call.__name__, offloaded_call.__defaults__,
-                              offloaded_call.__closure__)
 
 
 def _reads_are_counted(runtime: OffloadRuntime) -> bool:

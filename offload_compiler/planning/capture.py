@@ -3,12 +3,29 @@ model's calibration probes)."""
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from .._torch_private import cannot_capture_in_one_graph, capture_config, short_reason
+
+
+def own_frame(function: Any) -> Any:
+    """``function``, called from a frame whose code object belongs to this one caller (an offloaded forward, a
+    planning capture). Dynamo keeps its compiled
+    graphs (and counts recompiles) on the code object of the frame it compiles. Compiling the module's forward
+    itself would put the graphs of every offloaded model of a class -- of every transformers class, whose
+    forwards share one decorator ``wrapper`` -- on that shared code object: a later ``torch.compile`` of any model
+    with that forward (``backend="omni_offload"`` included) would then meet dynamo's recompile limit at its
+    first call and silently run un-compiled (for ``omni_offload``: un-offloaded), and every call of every model
+    would check all those graphs' guards. Dynamo traces into ``function`` from here (inlined, no cache entry)."""
+    def offloaded_call(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+    code = offloaded_call.__code__.replace()  # a new code object, not shared with any other forward
+    return types.FunctionType(code, offloaded_call.__globals__, offloaded_call.__name__, offloaded_call.__defaults__,
+                              offloaded_call.__closure__)
 
 
 class _Captured(Exception):
@@ -30,7 +47,9 @@ def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the
 
     try:
         with torch.no_grad(), capture_config():
-            torch.compile(forward, backend=recorder, fullgraph=True)(*args, **kwargs)
+            # static shapes: the plan is for this call's; a code object of its own: no cache entry left on the
+            # class's forward (see `own_frame`), so the capture of one model never depends on what came before
+            torch.compile(own_frame(forward), backend=recorder, fullgraph=True, dynamic=False)(*args, **kwargs)
     except _Captured:
         pass
     except Exception as exc:
