@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--model", required=True, help="pkg.module:fn returning (model, inputs), or a built-in "
                                                      "model name (listed at the end)")
-        p.add_argument("--device", help="compute device (default: cuda when available, else cpu)")
+        p.add_argument("--device", help="compute device (default: cuda when available, else cpu; 'sim': the simulated "
+                                        "accelerator of offload_compiler.testing, a device that is not the host)")
         p.add_argument("--strategy", choices=IMPLEMENTED_STRATEGIES + ("auto",))
         p.add_argument("--device-budget-gb", help="strategy auto: GiB of device memory for weights and activations, "
                                                   "or 'free' (free memory now minus --budget-margin-gb)")
@@ -273,6 +274,9 @@ def _run(args: argparse.Namespace, offloaded: Any, plain: Any, inputs: tuple, kw
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.device is not None and args.device.split(":")[0] == "sim":
+        from .testing import simulated_device
+        args.device = simulated_device()
     try:
         policy = policy_from_args(args)
     except ValueError as exc:

@@ -40,6 +40,14 @@ def test_json_gives_the_plan_of_a_fixed_strategy_as_data(capsys):
     assert "no accelerator" in report["pinning"]
 
 
+def test_run_on_the_simulated_device_checks_outputs_and_traffic(capsys):
+    """``--device sim``: the job on a device that is not the host, from the command line of a machine without one."""
+    assert main(["run", "--model", "llama", "--device", "sim", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["policy"]["device"] == "sim:0" and report["equivalence"]["equal"]
+    assert report["plan"]["saving"]["share_of_model"] < 1
+
+
 @pytest.mark.slow  # a plan and its plots for every strategy
 def test_text_plan_says_why_nothing_is_pinned_and_plots_any_strategy(tmp_path, capsys):
     pytest.importorskip("matplotlib")
