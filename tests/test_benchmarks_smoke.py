@@ -232,3 +232,15 @@ def test_disk_tier_small(tmp_path):
     assert data["disk_bytes_read_per_call"] == data["disk_bytes"] > 0  # every group on disk read once per call
     assert data["disk_bytes"] >= data["model_bytes"] - data["host_budget_bytes"]
     assert data["read_bandwidth_bytes_per_s"] > 0 and data["limit_s"] > 0
+
+
+@pytest.mark.slow  # a tiny MoE decoder on the simulated accelerator: per layer, its two expert weights fetched routed
+def test_moe_decode_small_on_the_simulated_device(tmp_path):
+    out = tmp_path / "moe_decode.json"
+    _run("moe_decode.py", "--device", "sim", "--hidden", "64", "--layers", "2", "--experts", "16", "--top-k", "2",
+         "--vocab", "128", "--prompt", "4", "--rounds", "1", "--calls", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    ours = result["ours_per_token"]
+    assert result["tokens_equal_plain"] and result["device"] == "sim:0"
+    assert ours["routed_fetches"] == 2 * 2 and ours["bytes_moved"] <= 1.1 * ours["bound_bytes"]
+    assert ours["bytes_moved"] < ours["whole_layer_bytes"]
