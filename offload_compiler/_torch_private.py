@@ -14,8 +14,9 @@ changes it (`test_no_private_torch_outside_this_module` checks that no other mod
    returns, and the model inside it (`compiled_module_of`, `compiled_models`: the ``omni_offload`` backend
    finds its model among the live wrappers by the identity of the graph's weights, since a backend is handed
    a graph and never the module); and ``nn.Module._compiled_call_impl``, set by ``model.compile(...)`` (a
-   module compiled in place; ``m.forward = torch.compile(m.forward)`` is found through ``functools.wraps``'s
-   public ``__wrapped__``). No public type or accessor. Test: ``test_optimized_module_wraps_the_model``.
+   module compiled in place; ``m.forward = torch.compile(m.forward)``: the wrapper's ``_torchdynamo_orig_callable``
+   marks it as torch.compile's, and ``functools.wraps``'s public ``__wrapped__`` leads to the module). No public
+   type or accessor. Test: ``test_optimized_module_wraps_the_model``.
 2. Dynamo's frame-converter chain (``torch._dynamo.convert_frame.CatchErrorsWrapper``, ``ConvertFrame``,
    ``ConvertFrameAssert``, their ``_torchdynamo_orig_backend``; ``eval_frame._TorchDynamoContext``, ``_stance``,
    ``innermost_backend``): `compile_under_config` runs dynamo's compile of our frames, and only that, under
@@ -104,8 +105,11 @@ def compiled_module_of(obj: Any) -> Any:
 
 
 def _wraps_own_forward(module: nn.Module) -> bool:
-    """Whether the instance's ``forward`` wraps (``functools.wraps``, as ``torch.compile`` does) the module's own."""
+    """Whether the instance's ``forward`` is ``torch.compile`` of the module's own (its wrapper carries dynamo's
+    ``_torchdynamo_orig_callable``, and ``functools.wraps``'s ``__wrapped__`` leads to the bound forward)."""
     wrapped = module.__dict__.get("forward")
+    if not hasattr(wrapped, "_torchdynamo_orig_callable"):
+        return False  # another wrapper (accelerate's hooks wrap the forward too)
     for _ in range(3):  # torch.compile's wrapper, and one more for torch.nn's own modules
         wrapped = getattr(wrapped, "__wrapped__", None)
         if wrapped is None:

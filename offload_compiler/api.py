@@ -18,7 +18,7 @@ from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warni
 from .planning import auto
 from .planning.auto import OffloadPlan
 from .offloaded import (OffloadState, OffloadedModule, add_method, install_output_capture, offload_module,
-                        offload_pipeline, PipelineModules, state_of)
+                        offload_pipeline, PipelineModules, refuse_other_offloaders, state_of)
 from .policy import OffloadPolicy, warn_user
 from .runtime import OffloadRuntime, OffloadStats
 from .storage import FilledBuckets
@@ -53,7 +53,7 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     if not isinstance(model, nn.Module) and policy.strategy == "none":
         raise TypeError(f"strategy='none' keeps every weight on the device: for a pipeline object "
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
-    _refuse_other_offloaders(model)
+    refuse_other_offloaders(model)
     filled = _load(model, policy, checkpoint) if checkpoint is not None else {}
     if not isinstance(model, nn.Module):
         offload_pipeline(model, policy, filled)
@@ -61,32 +61,6 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     offload_module(model, policy, filled)
     _check_saving(model, policy)
     return model
-
-
-def _refuse_other_offloaders(model: Any) -> None:
-    """Another offloader's hooks move the weights around each call of the modules they wrap; under ours they would
-    move host masters inside our graphs (on an accelerator: torch's "incompatible tensor type" at the first call).
-    Refused before anything changes, naming how to remove them: accelerate's (``module._hf_hook``: ``cpu_offload``,
-    ``dispatch_model`` with offloading, a pipeline's ``enable_model_cpu_offload``/``enable_sequential_cpu_offload``)
-    and diffusers' group offloading (a hook registry holding an offloading hook: ``enable_group_offload``)."""
-    roots = [("", model)] if isinstance(model, nn.Module) else [
-        (f"{name}.", value) for name, value in vars(model).items() if isinstance(value, nn.Module)]
-    for prefix, root in roots:
-        for path, module in root.named_modules():
-            where = f"{prefix}{path}".rstrip(".") or type(model).__name__
-            if getattr(module, "_hf_hook", None) is not None:
-                raise ValueError(
-                    f"{type(model).__name__} carries accelerate's hooks ({where}): accelerate's cpu_offload or "
-                    f"dispatch_model, or a pipeline's enable_model_cpu_offload / enable_sequential_cpu_offload, "
-                    f"which move the weights at every call, as offload_compile does itself. Remove them first: "
-                    f"accelerate.hooks.remove_hook_from_module(model, recurse=True) (a pipeline: "
-                    f"pipe.remove_all_hooks()), then offload_compile; the model is unchanged")
-            hooks = getattr(module.__dict__.get("_diffusers_hook"), "hooks", {})
-            if any("offload" in name for name in hooks):
-                raise ValueError(
-                    f"{type(model).__name__} has diffusers' group offloading enabled ({where}: enable_group_offload), "
-                    f"which moves the weights at every call, as offload_compile does itself. Load the model again "
-                    f"without enable_group_offload, then offload_compile; the model is unchanged")
 
 
 def _load(model: Any, policy: OffloadPolicy, path: str | os.PathLike) -> FilledBuckets:

@@ -59,11 +59,13 @@ def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, m
         if not move:
             raise ValueError(f"{name} is outside the offloaded groups, so it must live on {device}, but it is on "
                              f"{tensor.device}: move the model to {device} before torch.compile, or use offload_compile")
-        # a new tensor in its place, as nn.Module.to makes where ``.data =`` cannot change the device (PrivateUse1
-        # backends: Ascend's NPU, the simulated accelerator); ties stay ties
         on_device = tensor.detach().to(device)
-        moved[id(tensor)] = (nn.Parameter(on_device, requires_grad=tensor.requires_grad)
-                             if isinstance(tensor, nn.Parameter) else on_device)
+        try:
+            tensor.data = on_device  # the same object (CPU, CUDA), as nn.Module.to keeps it
+        except RuntimeError:  # ``.data =`` cannot change a PrivateUse1 tensor's device (Ascend's NPU, the simulated
+            # accelerator): a new tensor in its place, as nn.Module.to makes then; ties stay ties
+            moved[id(tensor)] = (nn.Parameter(on_device, requires_grad=tensor.requires_grad)
+                                 if isinstance(tensor, nn.Parameter) else on_device)
     replace_tensors(model, moved)
 
 

@@ -226,6 +226,45 @@ def test_a_forward_set_on_the_instance_before_offloading_is_what_the_model_runs(
     assert remove_offload(m).__dict__["forward"] is wrapper
 
 
+def test_auto_whose_plan_fails_keeps_streaming_its_parts():
+    """The whole call cannot plan (the budget is too small): the error names the budget, the weights are unchanged,
+    and a part called after it streams again (on a runtime of its own), as before the failed plan."""
+    model, inputs, plain = _llama()
+    ids = inputs["input_ids"]
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=1e-7))
+    with torch.no_grad():
+        expected = plain.model(input_ids=ids).last_hidden_state
+        assert torch.equal(m.model(input_ids=ids).last_hidden_state, expected)
+        with pytest.raises(ValueError, match="device_budget_gb"):
+            m(**inputs)
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), plain.state_dict().values()))
+        reset_offload_stats(m)
+        assert torch.equal(m.model(input_ids=ids).last_hidden_state, expected)
+    assert assert_traffic_matches_plan(m).fetch_count > 0
+
+
+def test_auto_plans_the_forward_set_on_the_instance(monkeypatch):
+    """``auto`` plans (and runs) what the model's forward is: a wrapper set on the instance included."""
+    from offload_compiler.planning import auto
+    planned = []
+    capture = auto.capture_graph
+
+    def recording(*args, **kwargs):
+        gm, example_inputs = capture(*args, **kwargs)
+        planned.append(gm)
+        return gm, example_inputs
+    monkeypatch.setattr(auto, "capture_graph", recording)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    class_forward = model.forward
+    model.forward = lambda x: class_forward(x).softmax(-1) * 3  # noqa: E731
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb="free"))
+        assert torch.equal(m(x), expected)
+    assert planned and all(any("softmax" in str(n.target) for n in gm.graph.nodes) for gm in planned)
+
+
 @pytest.mark.slow
 @pytest.mark.newest_torch
 def test_auto_plans_at_whatever_call_comes_first():

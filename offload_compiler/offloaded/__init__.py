@@ -34,11 +34,12 @@ change of it); `auto_plan` (``auto`` planned at the first call); `targets` (whic
 
 from .backend_route import omni_offload
 from .forwards import add_method
-from .install import install_output_capture, offload_module, offload_pipeline
+from .install import install_output_capture, offload_module, offload_pipeline, refuse_other_offloaders
 from .module import OffloadedModule
 from .outside import Outside
 from .pipeline import PipelineModules
 from .state import OffloadState, state_of
 
 __all__ = ["OffloadState", "OffloadedModule", "Outside", "PipelineModules", "add_method",
-           "install_output_capture", "offload_module", "offload_pipeline", "omni_offload", "state_of"]
+           "install_output_capture", "offload_module", "offload_pipeline", "omni_offload", "refuse_other_offloaders",
+           "state_of"]

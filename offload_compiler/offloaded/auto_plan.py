@@ -14,10 +14,13 @@ def plan_model(state: OffloadState, args: tuple, kwargs: dict) -> None:
     try:
         with state.tracing_through():
             plan = plan_offload(state.owner, state.policy, *args, **kwargs)
-    except InfeasibleBudgetError as error:  # every later call plans again, with the same budget
-        error.add_note(f"{state.name} is offloaded with this budget and stays unplanned (nothing moved, its "
-                       f"weights are unchanged); to change the budget: offload_compile(remove_offload(m), "
-                       f"policy.replace(device_budget_gb=...))")
+    except BaseException as error:  # every later call plans again, with the same budget
+        if before is not None:
+            state.recompile()  # the parts compiled on the runtime just released stream on a new one at their next call
+        if isinstance(error, InfeasibleBudgetError):
+            error.add_note(f"{state.name} is offloaded with this budget and stays unplanned (nothing moved, its "
+                           f"weights are unchanged); to change the budget: offload_compile(remove_offload(m), "
+                           f"policy.replace(device_budget_gb=...))")
         raise
     state.planned(plan, before)
 

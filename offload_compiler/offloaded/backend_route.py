@@ -14,7 +14,7 @@ from ..backend import build_runtime, compile_graph
 from ..errors import OffloadRefusal
 from ..policy import OffloadPolicy
 from .forwards import install_forwards
-from .install import attach
+from .install import attach, refuse_other_offloaders
 from .state import OffloadState, Phase, state_of
 
 
@@ -42,6 +42,7 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
             "policy) instead")
     state = state_of(root)
     if state is None:
+        refuse_other_offloaders(root)
         state = OffloadState(root, policy, build_runtime(root, policy, pack_now=False))
         state.publish()
         return _AttachAtFirstRun(compile_graph(gm, example_inputs, state.runtime), state)

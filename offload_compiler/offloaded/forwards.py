@@ -81,7 +81,7 @@ class _OffloadedForward:
         with state.lock:
             state.check_usable()
             if state.awaits_plan:
-                if self._root:
+                if self._root and self._method == "forward":  # auto plans from the model's forward
                     plan_now(state, args, kwargs)
                 elif state.runtime is None:
                     state.stream_before_plan()

@@ -60,6 +60,32 @@ def install_output_capture(model: nn.Module) -> None:
     install(model)
 
 
+def refuse_other_offloaders(model: Any) -> None:
+    """Another offloader's hooks move the weights around each call of the modules they wrap; under ours they would
+    move host masters inside our graphs (on an accelerator: torch's "incompatible tensor type" at the first call).
+    Refused before anything changes, naming how to remove them: accelerate's (``module._hf_hook``: ``cpu_offload``,
+    ``dispatch_model`` with offloading, a pipeline's ``enable_model_cpu_offload``/``enable_sequential_cpu_offload``)
+    and diffusers' group offloading (a hook registry holding an offloading hook: ``enable_group_offload``)."""
+    roots = [("", model)] if isinstance(model, nn.Module) else [
+        (f"{name}.", value) for name, value in vars(model).items() if isinstance(value, nn.Module)]
+    for prefix, root in roots:
+        for path, module in root.named_modules():
+            where = f"{prefix}{path}".rstrip(".") or type(model).__name__
+            if getattr(module, "_hf_hook", None) is not None:
+                raise ValueError(
+                    f"{type(model).__name__} carries accelerate's hooks ({where}): accelerate's cpu_offload or "
+                    f"dispatch_model, or a pipeline's enable_model_cpu_offload / enable_sequential_cpu_offload, "
+                    f"which move weights or activations between devices at every call: offloading does that itself. Remove them "
+                    f"first: accelerate.hooks.remove_hook_from_module(model, recurse=True) (a pipeline: "
+                    f"pipe.remove_all_hooks()), then offload_compile; the model is unchanged")
+            hooks = getattr(module.__dict__.get("_diffusers_hook"), "hooks", {})
+            if any("offload" in name for name in hooks):
+                raise ValueError(
+                    f"{type(model).__name__} has diffusers' group offloading enabled ({where}: enable_group_offload), "
+                    f"which moves the weights at every call, as offload_compile does itself. Load the model again "
+                    f"without enable_group_offload, then offload_compile; the model is unchanged")
+
+
 def offload_module(model: nn.Module, policy: OffloadPolicy, filled: FilledBuckets | None = None) -> OffloadState:
     """Offload ``model`` in place (``filled``: what a checkpoint was read into, packed as it is). Nothing is
     attached before the runtime exists (a refused policy leaves the model untouched); ``auto`` builds its

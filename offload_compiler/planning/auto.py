@@ -222,7 +222,9 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
         raise ValueError(f"plan_offload plans strategy='auto'; got strategy={policy.strategy!r}")
     budget, source = resolve_budget(policy)
     with tracing_on(policy.torch_device):  # host weights, device inputs (the model's; calibration's probes)
-        gm, example_inputs = capture_graph(type(model).forward.__get__(model), args, kwargs, type(model).__name__)
+        # the forward the model runs: a forward set on the instance is the model's (an offloaded model is planned
+        # while its installed forwards trace through to it)
+        gm, example_inputs = capture_graph(model.forward, args, kwargs, type(model).__name__)
         rates = device_rates(policy.torch_device, policy.compiler)
     n_blocks = sum(1 for g in plan_groups(model, policy.replace(blocks_per_group=1)) if g.is_block)
     best: tuple[CostTable, Solution] | None = None
