@@ -45,7 +45,7 @@ changes it (`test_no_private_torch_outside_this_module` checks that no other mod
    of the first flag that the ``torch._dynamo.metrics_context`` logger reports as a traceback is dropped
    (`_ConfigRecordOfFunctions`). Test: ``test_private_config_flags_do_what_captures_rely_on``.
 7. Guard-filter entries' ``orig_guard.originating_source`` and the sources' ``base`` chain: `guards_only_on`
-   keeps one guard per routed part or host master (the ``guard_filter_fn`` option is public; what an entry was
+   keeps one guard per host master (the ``guard_filter_fn`` option is public; what an entry was
    reached through is not: the public ``name`` is a string to parse).
    Test: ``test_guard_entries_name_their_source_chain``.
 8. Inductor (``torch._inductor``): ``compile_fx.compile_fx`` (inductor on a graph our backend rewrote; the
@@ -454,11 +454,6 @@ def guards_only_on(kinds: dict[type, str]) -> Callable[[list], list[bool]]:
     dynamo installs on an object of a type in ``kinds`` and on what it reached through one, only the object's
     guard of the kind named there:
 
-    - a `_RoutedPart` (``"ID_MATCH"``; for a callable object, the ``CLOSURE_MATCH`` that stands for it): its
-      attributes, its class's ``__call__`` and the module it holds are fixed at construction, so what the
-      dropped guards check -- its ``__dict__``, its ``forward`` method's code, ``type(part).__call__``'s code, and
-      that the module reached through it is the module it is installed on (an object-aliasing guard, which
-      dynamo checks in Python, a lambda per part) -- follows from the identity;
     - a host master (``"TENSOR_MATCH"``, a C++ check of its class, shape, strides, dtype and device): its
       ``__tensor_flatten__`` context (device and account, compared in Python per weight), its inner ``host``
       tensor (rebound by ``p.data = t``; the offloaded graph reads the weight's device slot, never ``host``) and

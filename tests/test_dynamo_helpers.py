@@ -83,7 +83,7 @@ def _compiled_frames(part) -> CompileCounter:
 def test_inlined_only_is_traced_into_but_not_compiled_as_a_frame_of_its_own():
     """Met in a frame dynamo compiles, it is traced into (its op in that graph); called from a frame dynamo runs
     without a graph, it runs as plain Python, where a plain callable's frame gets a graph of its own (what lets
-    a `_RoutedPart` there run its module's offloaded graph instead)."""
+    a routed part's forward there run its module's offloaded graph instead)."""
     try:
         plain = _compiled_frames(_Callable("plain"))
         inlined = _compiled_frames(_Inlined("inlined"))
@@ -94,7 +94,7 @@ def test_inlined_only_is_traced_into_but_not_compiled_as_a_frame_of_its_own():
 
 
 class _Part:
-    """Like a `_RoutedPart`: the instance forward of its module, holding the module's bound forward."""
+    """An object holding a module's bound forward (the kind `guards_only_on` filters through)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.forward = type(module).forward.__get__(module)

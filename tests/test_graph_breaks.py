@@ -1,6 +1,6 @@
 """Graph breaks degrade, they do not refuse: a frame that dynamo runs without a graph (a graph break inside a
 loop: ``Tensor.item()``, a data-dependent size) still streams what it reads. The modules it calls run as their
-own offloaded graphs (`_RoutedPart`), a weight it computes with directly is a host master read on demand, and one
+own offloaded graphs (their routed class, `RoutedPart`), a weight it computes with directly is a host master read on demand, and one
 warning per model says what that cost, as measured (bytes, ops), and the fix."""
 
 import contextlib

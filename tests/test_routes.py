@@ -499,3 +499,62 @@ def test_a_registered_method_runs_as_one_offloaded_graph_fetching_what_it_reads(
         register_offload_method(m, "blocks")
     with pytest.raises(ValueError, match="no part 'nothing'"):
         register_offload_method(m, "nothing.forward")
+
+
+class _RegionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    @torch.compiler.nested_compile_region  # the user's regional compilation: one block traced, reused for each
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _RegionStack(nn.Module):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_RegionBlock() for _ in range(depth))
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_blocks_marked_as_a_nested_compile_region_each_run_on_their_own_weights(device):
+    """Dynamo reuses a marked region's graph for every block, passing each block's weights in. Before routing was
+    a class's, each weight holder's forward was an object of its own: dynamo reused the first block's graph *with
+    the first block's weights* for all four (a silent wrong output, off by about 1)."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if device == "sim" else device
+    model = _RegionStack().eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device, debug_poison=True))
+        got = m(x.to(device)).cpu()
+    torch.testing.assert_close(got, expected)  # the simulated device's kernels round differently
+    stats = assert_traffic_matches_plan(m)
+    assert stats.fetch_count == 5 and stats.bytes_transferred == sum(p.numel() * 4 for p in m.parameters())
+
+
+def test_a_part_whose_instance_set_its_own_forward_runs_it_and_gets_it_back():
+    """A block whose ``forward`` was set on the instance (a wrapper of the user's) runs that wrapper, traced inside
+    the model's graph and when called by hand; `remove_offload` gives it back, and the block its own class."""
+    model = _RegionStack(depth=2).eval()
+    block = model.blocks[1]
+    block.forward = wrapper = lambda x: _RegionBlock.forward(block, x) * 2  # noqa: E731
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected, expected_block = model(x), block(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+        assert torch.equal(m(x), expected)
+        assert type(m.blocks[1]) is not _RegionBlock and isinstance(m.blocks[1], _RegionBlock)
+        reset_offload_stats(m)
+        assert torch.equal(m.blocks[1](x), expected_block)  # by hand: the block's own offloaded graph
+        assert offload_stats(m).bytes_transferred == sum(p.numel() * 4 for p in block.parameters())
+    plain = remove_offload(m)
+    assert type(plain.blocks[1]) is _RegionBlock and plain.blocks[1].__dict__["forward"] is wrapper

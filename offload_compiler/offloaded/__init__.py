@@ -12,14 +12,15 @@ How a call reaches the weights, route by route:
 - a direct call, ``generate()``, a pipeline holding the object, a container or component called on its own:
   ``module.forward`` is an `_OffloadedForward`, which runs the module's own offloaded graph;
 - any other module holding offloaded weights, called from Python outside an offloaded call (by hand, from a
-  method of the model, from its forward reached around the instance attribute): ``module.forward`` is a
-  `_RoutedPart`, which runs that module's own offloaded graph;
+  method of the model, from its forward reached around the instance attribute): its class is swapped for a
+  routed class (`RoutedPart`, one per class), whose ``forward`` runs that module's own offloaded graph;
 - the user's ``torch.compile`` around the model (or around code calling it): `_OffloadedForward.__call__`
   is ``torch.compiler.disable``d, so the model is a clean boundary in the user's graph (its own graph runs,
   already compiled as the policy says); under ``fullgraph=True`` dynamo's error names the reason;
 - our own capture: while the model's graph is captured or run, the installed forwards are swapped for
   `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container), as it traces
-  into the `_RoutedPart` objects;
+  through the routed classes' ``forward`` into each part's own (the same code and class for every layer of a
+  stack, so a block marked with ``torch.compiler.nested_compile_region`` is traced once and reused);
 - part of the forward run by dynamo without a graph (a graph break inside a loop): the modules it calls are
   parts called from Python, so each runs its own offloaded graph (slower, module by module), and a weight it
   computes with directly is a host master, read on demand for that op (`host_masters`); what such code read,

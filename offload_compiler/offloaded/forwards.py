@@ -4,11 +4,11 @@
   graph, compiled at its first call;
 - `_TraceThrough`: what an installed forward is while its model's own graph is captured or run (dynamo traces
   into the module's code);
-- `_RoutedPart`: the forward of every other module holding offloaded weights; traced into inside an offloaded
-  call, run as the module's own offloaded graph when called from Python.
+- `RoutedPart`: the base of the class every other module holding offloaded weights gets (`routed_class`, one per
+  class); its forward is traced into inside an offloaded call, and runs the module's own offloaded graph when
+  called from Python.
 
-They live together: a routed part runs as an `_OffloadedForward`, and an offloaded forward's graphs guard the
-routed parts by identity (`_PART_GUARDS`).
+They live together: a routed part runs as an `_OffloadedForward`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import types
 import warnings
 from typing import Any
 
@@ -34,7 +35,7 @@ from ..planning.capture import own_frame
 from ..runtime import OffloadRuntime
 from .auto_plan import plan_component, plan_model
 from .call_io import describe_inputs, inference_only, moved_to, tensor_leaves
-from .state import OFFLOADED_CALLS, OffloadState
+from .state import OFFLOADED_CALLS, OWN_FORWARD, PART_OF, OffloadState
 from .targets import entry_methods, modules_with_forwards, weight_holders
 
 BOUNDARY = ("an offloaded model runs its own offloaded graph (compiled as its OffloadPolicy says); torch.compile "
@@ -216,63 +217,97 @@ class _TraceThrough:
         return self._offloaded(*args, **kwargs)
 
 
-class _RoutedPart:
-    """The forward of every other module holding offloaded weights (a block, a layer's projection, a tied
-    ``lm_head``). Where dynamo traces an offloaded call, it traces straight into the module's own forward (the
-    graph fetches what it reads). Called from Python -- by hand (``m.model.layers[0](h)``), from a method of
-    the model, from its forward reached around its instance attribute, from a frame of an offloaded call that
-    dynamo runs without a graph (a graph break inside a loop) -- or met by the user's ``torch.compile`` (a graph
-    boundary, as the model is), it runs the module's own offloaded graph, compiled at that first call: no route
-    reads host memory."""
+class RoutedPart(nn.Module):
+    """The class every other module holding offloaded weights (a block, a layer's projection, a tied ``lm_head``)
+    gets while offloaded: a subclass of this and of its own class, one per class (`routed_class`), named like it.
+    Where dynamo traces an offloaded call, its ``forward`` traces straight into the class's own (the graph fetches
+    what it reads). Called from Python -- by hand (``m.model.layers[0](h)``), from a method of the model, from a
+    frame of an offloaded call that dynamo runs without a graph (a graph break inside a loop) -- or met by the
+    user's ``torch.compile`` (a graph boundary, as the model is), it runs the module's own offloaded graph,
+    compiled at that first call: no route reads host memory.
 
-    def __init__(self, module: nn.Module, state: OffloadState, previous: Any) -> None:
-        self._state = state
-        self._module = module
-        self.previous = previous  # a forward set on the instance before offloading, or None
-        self.forward = previous or type(module).forward.__get__(module)  # what dynamo traces into
-        self._routed: _OffloadedForward | None = None
+    The routing is the class's, not an object's per module: every layer of a stack traces through the same
+    code and class, so dynamo can reuse one captured block for all of them (``torch.compiler.nested_compile_region``)
+    and guards nothing per module beyond what the plain model's graph guards."""
+
+    _offload_own_forward = None  # a forward the instance set before offloading (`OWN_FORWARD`), run in its place
 
     @inlined_only  # called from a frame dynamo runs without a graph: Python, so the module's own graph runs
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and _tracing_an_offloaded_call():
-            return self.forward(*args, **kwargs)
-        return self._route(*args, **kwargs)
+            own = self._offload_own_forward
+            if own is not None:
+                return own(*args, **kwargs)
+            return super(RoutedPart, self).forward(*args, **kwargs)
+        return _route(self, *args, **kwargs)
 
-    def _route_call(self, *args: Any, **kwargs: Any) -> Any:
-        if self._routed is None:
-            self._routed = _OffloadedForward(self._module, self._state, function=self.previous)
-        outside = self._state.outside if self._state.call_depth else None
-        if outside is None:  # by hand, outside any offloaded call
-            return self._routed(*args, **kwargs)
-        before = outside.runtime.bytes_transferred  # within an offloaded call: said at its end (`Outside`)
-        try:
-            return self._routed(*args, **kwargs)
-        finally:
-            outside.add_part(self._module, outside.runtime.bytes_transferred - before)
-
-    _route = torch.compiler.disable(_route_call, reason=BOUNDARY)
-
-    @property
-    def __signature__(self) -> inspect.Signature:  # inspect.signature(module.forward) is the forward's own
-        return inspect.signature(self.previous or type(self._module).forward.__get__(self._module))
-
-    def recompile(self) -> None:
-        self._routed = None
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        """A copy of the module (``copy.deepcopy(m.model.layers[0])``) is a plain module: its forward is its own."""
-        copied = memo.get(id(self._module))
-        if copied is None or self.previous is not None:
-            return copy.deepcopy(self.previous, memo)
-        return type(copied).forward.__get__(copied)
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """A copy of a part (``copy.deepcopy(m.model.layers[0])``) is a plain module of its own class."""
+        copied = object.__new__(base_class(type(self)))
+        memo[id(self)] = copied
+        own = self.__dict__.get(OWN_FORWARD)
+        for name, value in self.__dict__.items():
+            if name not in (OWN_FORWARD, PART_OF):
+                copied.__dict__[name] = copy.deepcopy(value, memo)
+        if own is not None:
+            copied.__dict__["forward"] = copy.deepcopy(own, memo)
+        return copied
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        raise TypeError(f"{type(self._module).__name__} is part of the offloaded {self._state.name}: pickle or "
+        state = self.__dict__[PART_OF]
+        raise TypeError(f"{type(self).__name__} is part of the offloaded {state.name}: pickle or "
                         f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
 
 
-_PART_GUARDS = guards_only_on({_RoutedPart: "ID_MATCH", HostMaster: "TENSOR_MATCH"})  # see there: by identity, by
-#   tensor metadata
+_ROUTED: dict[type, type] = {}
+
+
+def routed_class(cls: type) -> type:
+    """The class a routed part of class ``cls`` gets: one per class, made once, with the class's names (in
+    messages and repr, and for libraries that key what they know of a class on its name) and the signature of
+    its forward (``inspect.signature(part.forward)``)."""
+    if cls not in _ROUTED:
+        forward = RoutedPart.forward  # the same code object for every class: `inlined_only` marks it once
+        forward = types.FunctionType(forward.__code__, forward.__globals__, "forward", forward.__defaults__,
+                                     forward.__closure__)
+        try:
+            forward.__signature__ = inspect.signature(cls.forward)
+        except (TypeError, ValueError):  # no signature to give
+            pass
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "forward": forward}
+        _ROUTED[cls] = type(cls.__name__, (RoutedPart, cls), namespace)
+    return _ROUTED[cls]
+
+
+def base_class(routed: type) -> type:
+    """The module's own class, of a `routed_class`."""
+    return routed.__mro__[2]
+
+
+def _route_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state = module.__dict__[PART_OF]
+    routed = state.routed_forward(module, part_forward)
+    outside = state.outside if state.call_depth else None
+    if outside is None:  # by hand, outside any offloaded call
+        return routed(*args, **kwargs)
+    before = outside.runtime.bytes_transferred  # within an offloaded call: said at its end (`Outside`)
+    try:
+        return routed(*args, **kwargs)
+    finally:
+        outside.add_part(module, outside.runtime.bytes_transferred - before)
+
+
+_route = torch.compiler.disable(_route_call, reason=BOUNDARY)
+
+
+def part_forward(module: nn.Module, state: OffloadState) -> "_OffloadedForward":
+    """The offloaded forward a routed part runs when called from Python: the module's own, or the forward its
+    instance set before offloading."""
+    own = module.__dict__.get(OWN_FORWARD)
+    return _OffloadedForward(module, state, function=own or super(RoutedPart, module).forward)
+
+
+_PART_GUARDS = guards_only_on({HostMaster: "TENSOR_MATCH"})  # see there: by tensor metadata
 
 
 class _QuietOwnErrors(logging.Filter):
@@ -291,24 +326,18 @@ filter_fake_tensor_log(_QuietOwnErrors())
 def install_forwards(model: nn.Module, state: OffloadState) -> None:
     """The forward and entry methods (`ENTRY_METHODS`: a VAE's ``decode``) of the modules that run graphs of their
     own (`modules_with_forwards`) become `_OffloadedForward` objects; then every other module holding offloaded
-    weights gets a `_RoutedPart`."""
+    weights becomes a routed part (`RoutedPart`)."""
     for module in modules_with_forwards(model, state):
+        if module in state.parts:  # ``auto``: routed until its plan made it a container or component
+            state.unroute(module)
         for method in ("forward",) + entry_methods(module):
             if (module, method) not in state.forwards:
-                own = _set_on_instance(module, method)
+                own = module.__dict__.get(method)
                 state.add_forward(module, method, _OffloadedForward(module, state, method, function=own))
     routed = {module for module, _ in state.forwards}
     for module in weight_holders(state, model):
         if module not in routed and module not in state.parts and type(module).forward is not nn.Module.forward:
-            state.route_part(module, _RoutedPart(module, state, module.__dict__.get("forward")))
-
-
-def _set_on_instance(module: nn.Module, method: str) -> Any:
-    """What the instance itself sets as ``module.method`` (a wrapper the user or a library set before offloading;
-    the model's class method runs it), else None. A routed part installed before (``auto``, before its plan) stands
-    for what it replaced."""
-    own = module.__dict__.get(method)
-    return own.previous if isinstance(own, _RoutedPart) else own
+            state.route_part(module, routed_class(type(module)))
 
 
 def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
@@ -322,7 +351,7 @@ def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
         if not inspect.ismethod(getattr(module, method, None)):
             raise ValueError(f"{type(module).__name__}.{method} is not a method of the module; register_offload_method "
                              f"takes the name of a method its class defines (forward is routed already)")
-        own = _set_on_instance(module, method)
+        own = module.__dict__.get(method)
         state.add_forward(module, method, _OffloadedForward(module, state, method, function=own))
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import threading
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -25,6 +25,8 @@ from .outside import Outside, size_text
 from .pipeline import pipeline_runtime
 
 STATE_ATTR = "_offload_state"
+OWN_FORWARD = "_offload_own_forward"  # a routed part's forward set on its instance before offloading
+PART_OF = "_offload_part_of"  # the `OffloadState` a routed part belongs to
 
 
 class Phase(enum.Enum):
@@ -58,8 +60,10 @@ class OffloadState:
     hooks: HookWatch = dataclasses.field(default_factory=lambda: HookWatch())  # the hook dicts of every module
     unplanned: list = dataclasses.field(default_factory=list)  # auto on a pipeline: denoisers planned at their first call
     plans: dict = dataclasses.field(default_factory=dict)  # auto on a pipeline: denoiser path -> its plan
-    parts: dict = dataclasses.field(default_factory=dict)  # module -> (its __dict__, its `_RoutedPart`, its forward
-    #   set on the instance before offloading or None): the other modules holding weights (`route_part`)
+    parts: dict = dataclasses.field(default_factory=dict)  # routed part -> its class before offloading: the
+    #   other modules holding weights (`route_part`)
+    part_forwards: dict = dataclasses.field(default_factory=dict)  # routed part -> the `_OffloadedForward` it
+    #   runs when called from Python (`routed_forward`)
     phase: Phase = Phase.PENDING
     call_depth: int = 0  # offloaded calls (and captures) running now: a part called from Python inside a call
     #   adds to that call's `Outside`, and hooks are checked only outside calls
@@ -103,10 +107,32 @@ class OffloadState:
         self.forwards[(module, method)] = forward
         module.__dict__[method] = forward
 
-    def route_part(self, module: nn.Module, part: Any) -> None:
-        """Install ``part`` (a `_RoutedPart`) as ``module.forward``; ``part.previous`` is given back at detach."""
-        module.__dict__["forward"] = part
-        self.parts[module] = (module.__dict__, part, part.previous)
+    def route_part(self, module: nn.Module, routed_class: type) -> None:
+        """Swap ``module``'s class for ``routed_class`` (its `RoutedPart` class); a forward its instance set before
+        offloading is kept aside (the routed class runs it) and given back at detach."""
+        own = module.__dict__.pop("forward", None)
+        if own is not None:
+            module.__dict__[OWN_FORWARD] = own
+        module.__dict__[PART_OF] = self
+        self.parts[module] = type(module)
+        module.__class__ = routed_class
+
+    def unroute(self, module: nn.Module) -> None:
+        """Give a routed part its class (and its own forward) back."""
+        module.__class__ = self.parts.pop(module)
+        self.part_forwards.pop(module, None)
+        module.__dict__.pop(PART_OF, None)
+        own = module.__dict__.pop(OWN_FORWARD, None)
+        if own is not None:
+            module.__dict__["forward"] = own
+
+    def routed_forward(self, module: nn.Module, make: Callable[[nn.Module, "OffloadState"], Any]) -> Any:
+        """What routed part ``module`` runs when called from Python (an `_OffloadedForward`, ``make(module, self)``),
+        made at its first such call."""
+        forward = self.part_forwards.get(module)
+        if forward is None:
+            forward = self.part_forwards[module] = make(module, self)
+        return forward
 
     def detach(self) -> Any:
         """Undo offloading: weights get their own storage (and layout) back, classes, forwards and hook dicts are
@@ -118,10 +144,8 @@ class OffloadState:
                 module.__dict__.pop(method, None)
                 if forward.previous is not None:
                     module.__dict__[method] = forward.previous
-            for attributes, _, previous in self.parts.values():
-                attributes.pop("forward", None)
-                if previous is not None:
-                    attributes["forward"] = previous
+            for module in list(self.parts):
+                self.unroute(module)
             for module, cls in self.classes:
                 module.__class__ = cls
                 module.__dict__.pop(STATE_ATTR, None)
@@ -193,8 +217,7 @@ class OffloadState:
         """Every offloaded forward compiles again at its next call (hooks changed, or the runtime was rebuilt)."""
         for forward in self.forwards.values():
             forward.recompile()
-        for _, part, _ in self.parts.values():
-            part.recompile()
+        self.part_forwards.clear()
 
     # -- calls --------------------------------------------------------------------------------------------
 
