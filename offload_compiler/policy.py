@@ -86,6 +86,12 @@ class OffloadPolicy:
                        Sequential with numbered or named children, ...); overrides
                        ``_layerwise_offload_blocks_attr``.
     fullgraph:         ask dynamo for one graph (error on a graph break) in ``offload_compile``.
+    regional:          regional compilation: the blocks of a stack (layers of one class) are traced once and
+                       that graph reused for the others (``torch.compiler.nested_compile_region`` on their
+                       class), so the first call's capture grows far less with depth; each block still
+                       streams its own weights. Where dynamo cannot reuse a block (a KV cache updated inside
+                       it) it traces each as before; where it refuses the region, the model is captured
+                       whole, with one warning.
     debug_poison:      fill every evicted device copy with NaN (or the dtype's max) so that a read after
                        eviction shows in the output instead of silently reading stale memory.
     components:        component names, dotted paths or globs (``thinker``, ``thinker.visual``, ``visual.*``)
@@ -118,6 +124,7 @@ class OffloadPolicy:
     offload_buffers: bool = True
     blocks_attr: str | tuple[str, ...] | None = None
     fullgraph: bool = False
+    regional: bool = False
     debug_poison: bool = False
     components: tuple[str, ...] | None = None
     keep_after_use: bool = True
@@ -165,7 +172,7 @@ class OffloadPolicy:
             if strategy not in ("alternating", "sequential"):
                 raise ValueError(f"components apply to strategy 'alternating' or 'sequential', not {strategy!r}")
             set_("components", names)
-        for name in ("pin_memory", "offload_buffers", "fullgraph", "debug_poison", "keep_after_use",
+        for name in ("pin_memory", "offload_buffers", "fullgraph", "regional", "debug_poison", "keep_after_use",
                      "prefetch_next_call"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")

@@ -501,25 +501,37 @@ def test_a_registered_method_runs_as_one_offloaded_graph_fetching_what_it_reads(
         register_offload_method(m, "nothing.forward")
 
 
-class _RegionBlock(nn.Module):
+class _PlainBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
 
-    @torch.compiler.nested_compile_region  # the user's regional compilation: one block traced, reused for each
     def forward(self, x):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-class _RegionStack(nn.Module):
-    def __init__(self, depth: int = 4) -> None:
+class _RegionBlock(_PlainBlock):
+    @torch.compiler.nested_compile_region  # the user's regional compilation: one block traced, reused for each
+    def forward(self, x):
+        return super().forward(x)
+
+
+class _SplitBlock(_PlainBlock):
+    def forward(self, x):  # two views of one tensor, as Flux's single blocks return: dynamo refuses such a region
+        h = super().forward(x)
+        return h[..., :8], h[..., 8:]
+
+
+class _Blocks(nn.Module):
+    def __init__(self, block: type, depth: int = 4) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_RegionBlock() for _ in range(depth))
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
         self.head = nn.Linear(16, 16)
 
     def forward(self, x):
         for block in self.blocks:
-            x = block(x)
+            out = block(x)
+            x = torch.cat(out, -1) if isinstance(out, tuple) else out
         return self.head(x)
 
 
@@ -530,7 +542,7 @@ def test_blocks_marked_as_a_nested_compile_region_each_run_on_their_own_weights(
     the first block's weights* for all four (a silent wrong output, off by about 1)."""
     from offload_compiler.testing import simulated_device
     device = simulated_device() if device == "sim" else device
-    model = _RegionStack().eval()
+    model = _Blocks(_RegionBlock).eval()
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         expected = model(x)
@@ -544,7 +556,7 @@ def test_blocks_marked_as_a_nested_compile_region_each_run_on_their_own_weights(
 def test_a_part_whose_instance_set_its_own_forward_runs_it_and_gets_it_back():
     """A block whose ``forward`` was set on the instance (a wrapper of the user's) runs that wrapper, traced inside
     the model's graph and when called by hand; `remove_offload` gives it back, and the block its own class."""
-    model = _RegionStack(depth=2).eval()
+    model = _Blocks(_RegionBlock, depth=2).eval()
     block = model.blocks[1]
     block.forward = wrapper = lambda x: _RegionBlock.forward(block, x) * 2  # noqa: E731
     x = torch.randn(2, 5, 16)
@@ -558,3 +570,76 @@ def test_a_part_whose_instance_set_its_own_forward_runs_it_and_gets_it_back():
         assert offload_stats(m).bytes_transferred == sum(p.numel() * 4 for p in block.parameters())
     plain = remove_offload(m)
     assert type(plain.blocks[1]) is _RegionBlock and plain.blocks[1].__dict__["forward"] is wrapper
+
+
+def _captured_regions(monkeypatch) -> list:
+    """(calls of a traced block region, distinct region graphs) of each graph the backend is given."""
+    import offload_compiler.backend as backend
+    seen, compile_graph = [], backend.compile_graph
+
+    def recording(gm, example_inputs, runtime):
+        regions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
+        seen.append((len(regions), len({n.args[1] for n in regions})))
+        return compile_graph(gm, example_inputs, runtime)
+    monkeypatch.setattr(backend, "compile_graph", recording)
+    return seen
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_regional_traces_a_stacks_block_once_and_each_block_streams_its_own_weights(device, monkeypatch):
+    """``regional=True``: the four blocks are one traced region called four times, each with its own block's
+    weights, fetched as the plan says; without it, each block is traced inline."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if device == "sim" else device
+    seen = _captured_regions(monkeypatch)
+    model = _Blocks(_PlainBlock).eval()
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device, regional=True, debug_poison=True))
+        torch.testing.assert_close(m(x.to(device)).cpu(), expected)
+        assert seen == [(4, 1)]
+        stats = assert_traffic_matches_plan(m)
+        assert stats.fetch_count == 5 and stats.bytes_transferred == sum(p.numel() * 4 for p in m.parameters())
+        inline = offload_compile(plain, OffloadPolicy(strategy="layerwise", device=device))
+        torch.testing.assert_close(inline(x.to(device)).cpu(), expected)
+        assert seen[1:] == [(0, 0)]
+
+
+def test_regional_refused_by_dynamo_captures_the_model_whole_with_one_warning(monkeypatch):
+    """A block returning two views of one tensor cannot be a nested compile region (dynamo: aliasing in a higher
+    order op); the call is made again with the blocks traced inline, and says so once."""
+    seen = _captured_regions(monkeypatch)
+    model = _Blocks(_SplitBlock).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", regional=True))
+        with pytest.warns(UserWarning, match=r"regional compilation is off for _Blocks.*traced inline") as caught:
+            got = m(x)
+        assert torch.equal(got, expected) and seen[-1] == (0, 0)
+        assert [w.filename for w in caught if "regional" in str(w.message)] == [__file__]  # the user's line
+        assert_traffic_matches_plan(m)
+        reset_offload_stats(m)
+        assert torch.equal(m(x), expected) and offload_stats(m).fetch_count == 5
+
+
+@pytest.mark.slow  # an inductor compile and an auto plan, about 30 s
+def test_regional_under_inductor_and_auto_streams_the_plan(monkeypatch):
+    """A language model's decoder layers as one region: under inductor (poisoned evictions: a read after its
+    evict shows as NaN) and under ``auto``, whose blocks become regions once it planned."""
+    seen = _captured_regions(monkeypatch)
+    model, inputs, plain = _llama()
+    with torch.no_grad():
+        expected = plain(**inputs).logits
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor",
+                                                 regional=True, debug_poison=True))
+        _assert_same(m(**inputs).logits, expected, "inductor")
+        assert seen[-1] == (2, 1)
+        assert_traffic_matches_plan(m)
+        seen.clear()
+        auto = offload_compile(remove_offload(m), OffloadPolicy(strategy="auto", device="cpu", regional=True,
+                                                                device_budget_gb=0.0002))
+        assert torch.equal(auto(**inputs).logits, expected)
+        assert seen[-1] == (2, 1) and offload_stats(auto).fetch_count > 0

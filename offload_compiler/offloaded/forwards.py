@@ -26,7 +26,7 @@ from torch import nn
 
 from .._torch_private import compile_under_config, config_for_call, filter_fake_tensor_log, guards_only_on, \
     inlined_only, is_tracing_error, leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, \
-    symbolic_sizes, user_frame
+    short_reason, symbolic_sizes, user_frame
 from ..backend import RuntimeBackend
 from ..errors import OffloadRefusal
 from ..host_masters import HostMaster
@@ -36,7 +36,7 @@ from ..runtime import OffloadRuntime
 from .auto_plan import plan_component, plan_model
 from .call_io import describe_inputs, inference_only, moved_to, tensor_leaves
 from .state import OFFLOADED_CALLS, OWN_FORWARD, PART_OF, OffloadState
-from .targets import entry_methods, modules_with_forwards, weight_holders
+from .targets import entry_methods, modules_with_forwards, region_blocks, weight_holders
 
 BOUNDARY = ("an offloaded model runs its own offloaded graph (compiled as its OffloadPolicy says); torch.compile "
             "around it cannot trace its weights without their transfers, so it is a graph boundary. Call it outside "
@@ -72,6 +72,11 @@ class _OffloadedForward:
         outer = leave_fullgraph_region()  # called from the user's torch.compile(m, fullgraph=True): see there
         OFFLOADED_CALLS.entered += 1
         try:
+            try:
+                return self._offloaded_call(*args, **kwargs)
+            except Exception as failure:
+                if not drop_regions(self._state, failure):
+                    raise
             return self._offloaded_call(*args, **kwargs)
         finally:
             OFFLOADED_CALLS.entered -= 1
@@ -231,6 +236,7 @@ class RoutedPart(nn.Module):
     and guards nothing per module beyond what the plain model's graph guards."""
 
     _offload_own_forward = None  # a forward the instance set before offloading (`OWN_FORWARD`), run in its place
+    _offload_region = None  # the class's forward as a nested compile region (`routed_class(cls, region=True)`)
 
     @inlined_only  # called from a frame dynamo runs without a graph: Python, so the module's own graph runs
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -238,6 +244,8 @@ class RoutedPart(nn.Module):
             own = self._offload_own_forward
             if own is not None:
                 return own(*args, **kwargs)
+            if self._offload_region is not None:  # traced once per class, reused with each block's weights
+                return self._offload_region(*args, **kwargs)
             return super(RoutedPart, self).forward(*args, **kwargs)
         return _route(self, *args, **kwargs)
 
@@ -262,11 +270,12 @@ class RoutedPart(nn.Module):
 _ROUTED: dict[type, type] = {}
 
 
-def routed_class(cls: type) -> type:
-    """The class a routed part of class ``cls`` gets: one per class, made once, with the class's names (in
-    messages and repr, and for libraries that key what they know of a class on its name) and the signature of
-    its forward (``inspect.signature(part.forward)``)."""
-    if cls not in _ROUTED:
+def routed_class(cls: type, region: bool = False) -> type:
+    """The class a routed part of class ``cls`` gets: one per class (and ``region``), made once, with the class's
+    names (in messages and repr, and for libraries that key what they know of a class on its name) and the
+    signature of its forward (``inspect.signature(part.forward)``). ``region``: a block of a stack under
+    ``OffloadPolicy(regional=True)``, traced as a nested compile region of its class."""
+    if (cls, region) not in _ROUTED:
         forward = RoutedPart.forward  # the same code object for every class: `inlined_only` marks it once
         forward = types.FunctionType(forward.__code__, forward.__globals__, "forward", forward.__defaults__,
                                      forward.__closure__)
@@ -275,8 +284,10 @@ def routed_class(cls: type) -> type:
         except (TypeError, ValueError):  # no signature to give
             pass
         namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "forward": forward}
-        _ROUTED[cls] = type(cls.__name__, (RoutedPart, cls), namespace)
-    return _ROUTED[cls]
+        if region:
+            namespace["_offload_region"] = torch.compiler.nested_compile_region(cls.forward)
+        _ROUTED[(cls, region)] = type(cls.__name__, (RoutedPart, cls), namespace)
+    return _ROUTED[(cls, region)]
 
 
 def base_class(routed: type) -> type:
@@ -335,9 +346,26 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
                 own = module.__dict__.get(method)
                 state.add_forward(module, method, _OffloadedForward(module, state, method, function=own))
     routed = {module for module, _ in state.forwards}
+    regions = region_blocks(state, model)
     for module in weight_holders(state, model):
-        if module not in routed and module not in state.parts and type(module).forward is not nn.Module.forward:
-            state.route_part(module, routed_class(type(module)))
+        if module in state.parts:  # ``auto``, planned now: its blocks may become regions
+            if module in regions and type(module)._offload_region is None:
+                state.reroute(module, routed_class(state.parts[module], region=True))
+        elif module not in routed and type(module).forward is not nn.Module.forward:
+            state.route_part(module, routed_class(type(module), region=module in regions))
+
+
+def drop_regions(state: OffloadState, failure: BaseException) -> bool:
+    """``regional``: dynamo refused to trace a block as a nested compile region (Flux's single blocks return two
+    views of one tensor: "aliasing during higher order op tracing") -- or failed otherwise where the model's own
+    code raised nothing. The blocks are traced inline from then on, for every graph of the model, with one
+    warning; True if the call should be made again."""
+    if not (is_tracing_error(failure) and state.drop_regions(lambda cls: routed_class(cls))):
+        return False
+    warnings.warn(f"offload_compiler: regional compilation is off for {state.name}: dynamo could not trace its "
+                  f"blocks as reusable regions ({short_reason(str(failure))}); each block is traced inline "
+                  f"instead (a longer first capture, the same streaming)", UserWarning, stacklevel=6)  # the user's call
+    return True
 
 
 def add_method(state: OffloadState, module: nn.Module, method: str) -> None:

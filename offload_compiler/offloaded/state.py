@@ -64,6 +64,7 @@ class OffloadState:
     #   other modules holding weights (`route_part`)
     part_forwards: dict = dataclasses.field(default_factory=dict)  # routed part -> the `_OffloadedForward` it
     #   runs when called from Python (`routed_forward`)
+    regions: bool = True  # ``regional``: blocks may still be routed as nested compile regions (`drop_regions`)
     phase: Phase = Phase.PENDING
     call_depth: int = 0  # offloaded calls (and captures) running now: a part called from Python inside a call
     #   adds to that call's `Outside`, and hooks are checked only outside calls
@@ -117,6 +118,10 @@ class OffloadState:
         self.parts[module] = type(module)
         module.__class__ = routed_class
 
+    def reroute(self, module: nn.Module, routed_class: type) -> None:
+        """Another routed class for routed part ``module`` (a nested compile region, or no longer one)."""
+        module.__class__ = routed_class
+
     def unroute(self, module: nn.Module) -> None:
         """Give a routed part its class (and its own forward) back."""
         module.__class__ = self.parts.pop(module)
@@ -125,6 +130,18 @@ class OffloadState:
         own = module.__dict__.pop(OWN_FORWARD, None)
         if own is not None:
             module.__dict__["forward"] = own
+
+    def drop_regions(self, plain_class: Callable[[type], type]) -> bool:
+        """``regional`` refused by dynamo: every routed part traced as a nested compile region gets its plain routed
+        class (``plain_class(its class)``), no later part is made one, and every forward compiles again. Whether
+        there were any."""
+        regions = [module for module in self.parts if type(module)._offload_region is not None]
+        self.regions = False
+        for module in regions:
+            self.reroute(module, plain_class(self.parts[module]))
+        if regions:
+            self.recompile()
+        return bool(regions)
 
     def routed_forward(self, module: nn.Module, make: Callable[[nn.Module, "OffloadState"], Any]) -> Any:
         """What routed part ``module`` runs when called from Python (an `_OffloadedForward`, ``make(module, self)``),

@@ -8,7 +8,7 @@ import itertools
 from torch import nn
 
 from ..components import ENTRY_METHODS
-from ..grouping import plan_groups
+from ..grouping import plan_groups, repeated_blocks
 from ..policy import COMPONENT_STRATEGIES
 from .state import OffloadState
 
@@ -84,3 +84,22 @@ def weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:
             holders.update((by_path[".".join(names[:end])], None) for end in range(1, len(names) + 1))
     return list(holders)
 
+
+
+REGION_STRATEGIES = ("layerwise", "budget", "auto")
+
+
+def region_blocks(state: OffloadState, model: nn.Module) -> set[nn.Module]:
+    """``regional``: the blocks traced as nested compile regions -- the repeated blocks of the model's stacks whose
+    offloaded weights are all in one group, under the strategies that stream whole blocks. A region's weights
+    are fetched together before it runs, so a block split across groups (a dominant block streamed by its parts,
+    an MoE layer's experts fetched routed) or the finer groups of ``sequential`` are traced inline instead."""
+    runtime = state.runtime
+    if not (state.policy.regional and state.regions and runtime is not None
+            and state.policy.strategy in REGION_STRATEGIES):
+        return set()
+    def groups(block: nn.Module) -> set[int]:
+        return {runtime.group_of[id(t)][0] for t in itertools.chain(block.parameters(), block.buffers())
+                if id(t) in runtime.group_of}
+    whole = [block for block in repeated_blocks(model, state.policy) if len(groups(block)) == 1]
+    return {block for block in whole if sum(type(other) is type(block) for other in whole) >= 2}

@@ -132,17 +132,17 @@ if st is not None:
     def policies(strategies: Sequence[str] = GENERIC_STRATEGIES, devices: Sequence[str] = ("cpu",),
                  compilers: Sequence[str] = ("eager",), max_prefetch: int = 3) -> "st.SearchStrategy[OffloadPolicy]":
         """Valid policies; ``budget`` draws offload_gb from nothing to more than a small model holds; ``auto``
-        plans within the free device memory. The default strategies apply to any model; the component strategies
-        need named components."""
-        def build(strategy, device, compiler, prefetch, per_group, budget_kib, wrap):
+        plans within the free device memory; ``regional`` on or off. The default strategies apply to any model;
+        the component strategies need named components."""
+        def build(strategy, device, compiler, prefetch, per_group, budget_kib, wrap, regional):
             return OffloadPolicy(strategy=strategy, device=device, compiler=compiler, prefetch=prefetch,
                                  blocks_per_group=per_group, debug_poison=True,
                                  offload_gb=budget_kib / 2**20 if strategy == "budget" else None,
                                  device_budget_gb="free" if strategy == "auto" else None,
-                                 prefetch_next_call=wrap and prefetch > 0)
+                                 prefetch_next_call=wrap and prefetch > 0, regional=regional)
         return st.builds(build, st.sampled_from(list(strategies)), st.sampled_from(list(devices)),
                          st.sampled_from(list(compilers)), st.integers(0, max_prefetch), st.integers(1, 2),
-                         st.integers(0, 64), st.booleans())
+                         st.integers(0, 64), st.booleans(), st.booleans())
 
 
 # -- the checks -----------------------------------------------------------------------------------------
