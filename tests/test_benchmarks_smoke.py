@@ -244,3 +244,16 @@ def test_moe_decode_small_on_the_simulated_device(tmp_path):
     assert result["tokens_equal_plain"] and result["device"] == "sim:0"
     assert ours["routed_fetches"] == 2 * 2 and ours["bytes_moved"] <= 1.1 * ours["bound_bytes"]
     assert ours["bytes_moved"] < ours["whole_layer_bytes"]
+
+
+@pytest.mark.slow  # six fresh processes, each building and capturing a tiny SD3 transformer
+def test_regional_capture_small(tmp_path):
+    out = tmp_path / "regional_capture.json"
+    _run("regional_capture.py", "--models", "sd3", "--depth", "1", "--rounds", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert "regional_capture.py" in data["command"] and data["config"]["depths"] == [1, 2]
+    rows = data["summary"]["sd3"]
+    assert set(rows) == {"plain-eager", "ours-eager", "ours-regional"}
+    assert all(row["growth"] > 0 for row in rows.values())
+    moved = {s["method"]: s["bytes_moved"] for s in data["samples"] if s["depth"] == 2}
+    assert moved["plain-eager"] == 0 and moved["ours-regional"] == moved["ours-eager"] > 0  # streamed the same
