@@ -2,6 +2,7 @@
 fetches, or refuses with the fix named. One state per model, reached one way, whichever entry made it."""
 
 import contextvars
+import warnings
 import copy
 import gc
 import resource
@@ -643,3 +644,27 @@ def test_regional_under_inductor_and_auto_streams_the_plan(monkeypatch):
                                                                 device_budget_gb=0.0002))
         assert torch.equal(auto(**inputs).logits, expected)
         assert seen[-1] == (2, 1) and offload_stats(auto).fetch_count > 0
+
+
+class _BreakingHead(_Blocks):
+    def forward(self, x):
+        x = super().forward(x)
+        print("", end="")  # a graph break: under fullgraph=True dynamo's error, whatever regional says
+        return x
+
+
+def test_regional_keeps_an_error_that_is_not_the_regions_and_says_nothing_of_them():
+    """The call fails in dynamo for another reason than a region (a graph break under ``fullgraph=True``): it is
+    made again with the blocks inline, fails the same way, and that error is the call's -- no word of regions."""
+    model = _BreakingHead(_PlainBlock).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", regional=True, fullgraph=True))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(Exception, match="(?i)graph break|print"):
+                m(x)
+        assert not [w for w in caught if "regional" in str(w.message)]
+        plain = remove_offload(m)
+        assert torch.equal(plain(x), expected)

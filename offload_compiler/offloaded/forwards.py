@@ -77,7 +77,10 @@ class _OffloadedForward:
             except Exception as failure:
                 if not drop_regions(self._state, failure):
                     raise
-            return self._offloaded_call(*args, **kwargs)
+                refused = failure
+            out = self._offloaded_call(*args, **kwargs)  # its own error, if any, is the call's
+            _warn_regions_off(self._state, refused)
+            return out
         finally:
             OFFLOADED_CALLS.entered -= 1
             restore_fullgraph_region(outer)
@@ -358,14 +361,16 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
 def drop_regions(state: OffloadState, failure: BaseException) -> bool:
     """``regional``: dynamo refused to trace a block as a nested compile region (Flux's single blocks return two
     views of one tensor: "aliasing during higher order op tracing") -- or failed otherwise where the model's own
-    code raised nothing. The blocks are traced inline from then on, for every graph of the model, with one
-    warning; True if the call should be made again."""
-    if not (is_tracing_error(failure) and state.drop_regions(lambda cls: routed_class(cls))):
-        return False
+    code raised nothing. The blocks are traced inline from then on, for every graph of the model; True if the
+    call should be made again."""
+    return is_tracing_error(failure) and state.drop_regions(lambda cls: routed_class(cls))
+
+
+def _warn_regions_off(state: OffloadState, refused: BaseException) -> None:
+    """The call made again with the blocks inline succeeded: say once that regions are off, and why."""
     warnings.warn(f"offload_compiler: regional compilation is off for {state.name}: dynamo could not trace its "
-                  f"blocks as reusable regions ({short_reason(str(failure))}); each block is traced inline "
+                  f"blocks as reusable regions ({short_reason(str(refused))}); each block is traced inline "
                   f"instead (a longer first capture, the same streaming)", UserWarning, stacklevel=6)  # the user's call
-    return True
 
 
 def add_method(state: OffloadState, module: nn.Module, method: str) -> None:
