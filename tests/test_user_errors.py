@@ -364,3 +364,12 @@ def test_another_offloaders_hooks_are_refused_naming_how_to_remove_them():
         offload_compile(transformer, OffloadPolicy(strategy="layerwise", **CPU))
     after = _weights(transformer)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_shallow_copy_of_a_part_is_a_module_of_its_own_class_sharing_its_weights():
+    m, x, expected, snapshot = _offloaded()
+    shallow = copy.copy(m.blocks[0])
+    assert type(shallow) is nn.Linear and shallow.weight is m.blocks[0].weight
+    with torch.no_grad():  # host masters read outside an offloaded graph: fetched on demand (on cpu read in place)
+        assert torch.equal(shallow(x), F.linear(x, snapshot["blocks.0.weight"], snapshot["blocks.0.bias"]))
+    _still_whole(m, x, expected, snapshot)

@@ -256,13 +256,23 @@ class RoutedPart(nn.Module):
         """A copy of a part (``copy.deepcopy(m.model.layers[0])``) is a plain module of its own class."""
         copied = object.__new__(base_class(type(self)))
         memo[id(self)] = copied
-        own = self.__dict__.get(OWN_FORWARD)
-        for name, value in self.__dict__.items():
-            if name not in (OWN_FORWARD, PART_OF):
-                copied.__dict__[name] = copy.deepcopy(value, memo)
-        if own is not None:
-            copied.__dict__["forward"] = copy.deepcopy(own, memo)
+        copied.__dict__.update(self._plain_attributes(lambda value: copy.deepcopy(value, memo)))
         return copied
+
+    def __copy__(self) -> nn.Module:
+        """A shallow copy (``copy.copy``) is a module of its own class sharing the part's submodules and weights
+        (host masters: read outside an offloaded graph, they are fetched on demand)."""
+        copied = object.__new__(base_class(type(self)))
+        copied.__dict__.update(self._plain_attributes(lambda value: value))  # shared, as copy.copy shares them
+        return copied
+
+    def _plain_attributes(self, copy_value: Any) -> dict:
+        own = self.__dict__.get(OWN_FORWARD)
+        attributes = {name: copy_value(value) for name, value in self.__dict__.items()
+                      if name not in (OWN_FORWARD, PART_OF)}
+        if own is not None:
+            attributes["forward"] = copy_value(own)
+        return attributes
 
     def __reduce_ex__(self, protocol: int) -> Any:
         state = self.__dict__[PART_OF]
