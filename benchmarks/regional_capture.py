@@ -7,8 +7,9 @@ and the model built (random weights) before the clock starts; then the method is
   ours-eager       offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu")) and its first call
   ours-regional    the same with regional=True (each block class traced once, reused for its other blocks)
 
-Models: ``llama`` (tiny transformers Llama, no KV cache in the call) and ``sd3`` (the tiny SD3 transformer of
-`offload_compiler.testing.models`), each at ``--depth`` blocks and twice that. Processes are interleaved (round
+Models: ``llama`` (a tiny transformers Llama, hidden 128; its call builds a KV cache, updated in every layer)
+and ``dit`` (a tiny diffusers ``DiTTransformer2DModel``, `offload_compiler.testing.models.dit`), each at
+``--depth`` blocks and twice that. Processes are interleaved (round
 by round, model by model, depth by depth, method by method); medians over rounds. ``growth`` is the first
 call at 2x depth over the first call at 1x depth (2.0: the capture is linear in depth; near 1: depth is free).
 
@@ -29,7 +30,7 @@ from common import RESULTS, environment, exact_command, median, write_json  # no
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("plain-eager", "ours-eager", "ours-regional")
-MODELS = ("llama", "sd3")
+MODELS = ("llama", "dit")
 
 
 def build(name: str, depth: int):

@@ -2,10 +2,10 @@
 fetches, or refuses with the fix named. One state per model, reached one way, whichever entry made it."""
 
 import contextvars
-import warnings
 import copy
 import gc
 import resource
+import warnings
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from torch import nn
 
 from offload_compiler import (OffloadedModule, OffloadPolicy, describe_plan, inject_fault, offload_compile,
                               offload_groups, offload_plan, offload_stats, remove_offload, reset_offload_stats)
-from offload_compiler.testing.models import _diffusion_parts, llama, unet
+from offload_compiler.testing.models import _diffusion_parts, denoise_and_decode, diffusion_pipeline, llama, unet
 from offload_compiler.testing import assert_traffic_matches_plan
 
 COMPILERS = ["eager", pytest.param("inductor", marks=pytest.mark.slow)]  # inductor: every route compiled, ~30 s
@@ -668,3 +668,18 @@ def test_regional_keeps_an_error_that_is_not_the_regions_and_says_nothing_of_the
         assert not [w for w in caught if "regional" in str(w.message)]
         plain = remove_offload(m)
         assert torch.equal(plain(x), expected)
+
+
+def test_regional_on_a_pipeline_streams_every_component_and_falls_back_where_a_block_is_refused():
+    """A pipeline object (CLIP text encoder, Flux transformer, VAE) under ``regional=True``: its Flux blocks are
+    refused as regions (two views of one tensor), so the pipeline's blocks are traced inline, with one warning,
+    and the image equals the plain pipeline's."""
+    pipe, inputs = diffusion_pipeline()
+    plain = copy.deepcopy(pipe)
+    with torch.no_grad():
+        expected = denoise_and_decode(plain.text_encoder, plain.transformer, plain.vae, inputs["input_ids"],
+                                      inputs["latents"], 2)
+        p = offload_compile(pipe, OffloadPolicy(strategy="layerwise", device="cpu", regional=True))
+        with pytest.warns(UserWarning, match="regional compilation is off for DiffusionPipeline"):
+            got = denoise_and_decode(p.text_encoder, p.transformer, p.vae, inputs["input_ids"], inputs["latents"], 2)
+    assert torch.equal(got, expected) and offload_stats(p).fetch_count > 0
