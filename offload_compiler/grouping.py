@@ -224,10 +224,11 @@ def block_paths(model: nn.Module, policy: OffloadPolicy) -> tuple[str, ...]:
     return declared if declared is not None else discover_block_paths(model)
 
 
-def repeated_blocks(model: nn.Module, policy: OffloadPolicy) -> list[nn.Module]:
-    """The blocks of ``model``'s stacks (`block_paths`) whose class has two or more of them: what regional
-    compilation traces once per class."""
-    blocks = [child for stack in block_paths(model, policy) for child in _holders(_resolve(model, stack))]
+def repeated_blocks(model: nn.Module, policy: OffloadPolicy, keep=lambda block: True) -> list[nn.Module]:
+    """The blocks of ``model``'s stacks (`block_paths`) that ``keep`` accepts and whose class has two or more of
+    them among those: what regional compilation traces once per class."""
+    blocks = [child for stack in block_paths(model, policy) for child in _holders(_resolve(model, stack))
+              if keep(child)]
     return [block for block in blocks if sum(type(other) is type(block) for other in blocks) >= 2]
 
 

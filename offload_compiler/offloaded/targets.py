@@ -85,7 +85,6 @@ def weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:
     return list(holders)
 
 
-
 REGION_STRATEGIES = ("layerwise", "budget", "auto")
 
 
@@ -98,8 +97,7 @@ def region_blocks(state: OffloadState, model: nn.Module) -> set[nn.Module]:
     if not (state.policy.regional and state.regions and runtime is not None
             and state.policy.strategy in REGION_STRATEGIES):
         return set()
-    def groups(block: nn.Module) -> set[int]:
-        return {runtime.group_of[id(t)][0] for t in itertools.chain(block.parameters(), block.buffers())
-                if id(t) in runtime.group_of}
-    whole = [block for block in repeated_blocks(model, state.policy) if len(groups(block)) == 1]
-    return {block for block in whole if sum(type(other) is type(block) for other in whole) >= 2}
+    def one_group(block: nn.Module) -> bool:
+        return len({runtime.group_of[id(t)][0] for t in itertools.chain(block.parameters(), block.buffers())
+                    if id(t) in runtime.group_of}) == 1
+    return set(repeated_blocks(model, state.policy, keep=one_group))
