@@ -12,7 +12,8 @@
 #   2. tests: `pytest -m gpu` (CUDA graphs, copy stream, pinned buffers), then every strategy's CUDA path
 #   3. benchmarks: the reduced gpu_offload run, the CPU-free host-overhead and decode figures on the GPU's host,
 #      mixture-of-experts decode with routed expert fetches (moe_decode.py),
-#      a torch.profiler trace of one offloaded forward (copies overlapping compute), then the full gpu_offload
+#      a torch.profiler trace of one offloaded forward (copies overlapping compute), the disk tier (groups read
+#      into staging on the worker thread, then copied on the copy stream: disk_tier.py), then the full gpu_offload
 #      run if the time budget still allows it
 # diffusers is not installed on the GPU machines: carry its wheel in .whl/ (see the device tool's README) and
 # this script installs it into /tmp/site first.
@@ -51,6 +52,8 @@ if [ "$SMOKE" = "--smoke" ]; then
     --methods none ours-layerwise-p1-eager ours-budget-eager diffusers-group-block --out "$OUT/gpu_offload_reduced.json"
   step profile 120 python benchmarks/profile_forward.py --device cpu --layers 2 --hidden 64 --out "$OUT/profile.json"
   step moe-decode 120 python benchmarks/moe_decode.py --device cpu --rounds 1 --calls 1 --out "$OUT/moe_decode.json"
+  step disk-tier 300 python benchmarks/disk_tier.py --device sim --hidden 64 --layers 2 --rounds 1 \
+    --out "$OUT/disk_tier.json"
 else
   DEVICE=cuda
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
@@ -62,6 +65,7 @@ else
   step decode 90 python benchmarks/decode.py --rounds 5 --out "$OUT/decode_host.json"
   step moe-decode 90 python benchmarks/moe_decode.py --device cuda --dtype bfloat16 --hidden 1024 --layers 8 \
     --experts 64 --top-k 8 --vocab 32000 --out "$OUT/moe_decode.json"
+  step disk-tier 120 python benchmarks/disk_tier.py --device cuda --rounds 5 --out "$OUT/disk_tier_cuda.json"
   if [ "$(left)" -gt 200 ]; then
     step gpu-offload-full "$(( $(left) - 20 ))" python benchmarks/gpu_offload.py --out "$OUT/gpu_offload.json"
   else

@@ -1,9 +1,11 @@
-"""Reads of groups on disk on a worker thread where the device has no copy stream (the CPU): a prefetched
-group is read from its files into its slot while the calling thread computes the groups before it. The worker
-only moves bytes into slot buffers; every decision (which slot, the ledger, the counters) stays on the calling
-thread, which waits for a fill where the graph waits for its group (`TransferEngine._ready`), and for every
-fill in flight before the host writes a buffer a fill may read (`wait_all`). A read releases the GIL, so it
-overlaps the compute of the calling thread.
+"""Reads of groups on disk on a worker thread, on every device: a prefetched group is read from its files while
+the calling thread computes the groups before it -- on the CPU straight into its slot, on an accelerator into the
+slot's host staging buffers, whose copy to the device the calling thread issues on the copy stream once the read
+is done (`TransferEngine._stage`, `_ready`: the worker never touches a stream, so the device's ordering is the
+same as for groups in memory). The worker only moves bytes into host buffers; every decision (which slot, the
+ledger, the counters) stays on the calling thread, which waits for a read where the graph waits for its group
+(`TransferEngine._ready`), and for every read in flight before the host writes a buffer a read may touch
+(`wait_all`). A read releases the GIL, so it overlaps the compute of the calling thread.
 
 Groups in host memory are copied inline: measured on a tiny Llama's decode under inductor on 2 cores
 (`benchmarks/decode.py`, 2026-11-25, on a machine shared with other runs; the threaded variant was not kept, so

@@ -29,7 +29,8 @@ class DeviceSlot:
         self._buffers: list[torch.Tensor] | None = None
         self._staging: list[torch.Tensor] | None = None  # host buffers a group on disk is read into (`staging`)
         self.ready = self.free = None  # events, made with the buffers
-        self.pending = None  # a fill in flight on the worker thread (no copy stream: the CPU), its future
+        self.pending = None  # a fill (CPU) or disk read into staging (accelerator) on the worker thread, its future
+        self.unsent: Group | None = None  # read into staging on the worker thread; its device copy not yet issued
         self.filled_in_capture = False  # its copy is a node of a captured graph: it exists only after a replay
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
         self._leaf_views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its plain leaves over the buffers

@@ -70,6 +70,14 @@ def _copy_group(buffers: list[torch.Tensor], group: Group) -> None:
             buf.copy_(bucket.source())
 
 
+def _read_staged(staging: list[torch.Tensor | None], group: Group) -> None:
+    """A group's buckets on disk into their host staging buffers (None: a bucket in memory), past the page
+    cache."""
+    for buffer, bucket in zip(staging, group.buckets):
+        if buffer is not None:
+            bucket.file.read_into(buffer)
+
+
 class TransferEngine:
     """The device copies of one runtime's groups and the transfers between host and device. Every copy lands
     in a pool slot planned for its fetch key (`plan_slots`); ``debug_poison`` fills evicted slots with NaN."""
@@ -95,7 +103,7 @@ class TransferEngine:
         self.expert_bytes = 0  # of bytes_transferred, expert weights moved: whole fetches and routed ones
         self._routed_slots: dict[tuple, torch.Tensor] = {}  # (expert shape, dtype, bound) -> its fixed slot
         self.pool = DevicePool(device, streams)
-        self.copier = CopyWorker() if streams is None else None  # disk reads beside compute (see `copier`)
+        self.copier = CopyWorker()  # disk reads beside compute (see `copier`): its thread starts at the first read
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
         self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
         self._live: dict[int, DeviceSlot] = {}  # group -> slot waited for, not yet evicted (this call)
@@ -240,10 +248,7 @@ class TransferEngine:
             _copy_group(buffers, group)
             return
         self.disk_bytes_read += sum(b.nbytes for b in group.buckets if b.file is not None)
-        if self.copier is not None:  # a read waits on the disk: beside compute (`copier`)
-            slot.pending = self.copier.submit(lambda: _copy_group(buffers, group))
-        else:
-            _copy_group(buffers, group)
+        slot.pending = self.copier.submit(lambda: _copy_group(buffers, group))  # beside compute (`copier`)
 
     def _copy_on_stream(self, slot: DeviceSlot, group: Group) -> None:
         """The copy stream refills a slot only after the compute that read its previous contents (the
@@ -261,46 +266,59 @@ class TransferEngine:
         else:
             stream.wait_event(slot.free)
         slot.filled_in_capture = capturing
-        sources = [self._staged(slot, i, group, capturing) if bucket.file is not None else bucket.source()
+        if group.on_disk:
+            self._stage(slot, group, capturing)
+            return
+        self._send(slot, group, stream)
+
+    def _send(self, slot: DeviceSlot, group: Group, stream) -> None:
+        """The copies into the slot on the copy stream, from the group's host buffers (a bucket on disk: from the
+        slot's staging buffer, read already); compute waits on ``ready``."""
+        sources = [slot.staging(i, self.host.pinned) if bucket.file is not None else bucket.source()
                    for i, bucket in enumerate(group.buckets)]
-        with streams.on(stream):
+        with self.streams.on(stream):
             for buf, source in zip(slot.buffers, sources):
                 buf.copy_(source, non_blocking=True)
         slot.ready.record(stream)
 
-    def _staged(self, slot: DeviceSlot, index: int, group: Group, capturing: bool) -> torch.Tensor:
-        """Bucket ``index`` of a group on disk read into the slot's host staging buffer, once the copy that last
-        read that buffer (the slot's previous fill, ordered by ``ready``) has finished."""
+    def _stage(self, slot: DeviceSlot, group: Group, capturing: bool) -> None:
+        """A group on disk: its files are read into the slot's host staging buffers on the worker thread (beside
+        compute, as on the CPU), once the copy that last read those buffers (the slot's previous fill, ordered
+        by ``ready``) has finished; the copy to the device is issued when the group is waited for (`_ready`)."""
         if capturing:
             raise OffloadRefusal(f"{group.name} is on disk (host_budget_gb): a captured graph would replay the copy "
                                  f"from the staging buffer without reading the file again. Capture a model without "
                                  f"host_budget_gb, or run this one eagerly")
-        bucket = group.buckets[index]
         slot.ready.synchronize()
-        staging = slot.staging(index, self.host.pinned)
-        bucket.file.read_into(staging)
-        self.disk_bytes_read += bucket.nbytes
-        return staging
+        staging = [slot.staging(i, self.host.pinned) if bucket.file is not None else None
+                   for i, bucket in enumerate(group.buckets)]
+        self.disk_bytes_read += sum(buffer.nbytes for buffer in staging if buffer is not None)
+        slot.pending = self.copier.submit(lambda: _read_staged(staging, group))
+        slot.unsent = group
 
     def _ready(self, slot: DeviceSlot) -> DeviceSlot:
+        if slot.pending is not None:  # a fill or read on the worker thread: done, or its error raised here
+            future, slot.pending = slot.pending, None
+            try:
+                future.result()
+            finally:
+                group, slot.unsent = slot.unsent, None
+            if group is not None:
+                self._send(slot, group, self.streams.copy())
         if slot.ready is not None:
             self.streams.compute().wait_event(slot.ready)
-        elif slot.pending is not None:  # a fill on the worker thread: done, or its error raised here
-            future, slot.pending = slot.pending, None
-            future.result()
         return slot
 
     def wait_for_fills(self) -> None:
         """Every fill issued on the worker thread has finished (before the host writes a buffer they read)."""
-        if self.copier is not None:
-            self.copier.wait_all()
+        self.copier.wait_all()
 
     def _release(self, slot: DeviceSlot) -> None:
         """The slot's copy is gone (evicted, dropped): free for the next fill once its readers finished."""
         if slot.group is None:
             return
         if slot.pending is not None:  # a fill still in flight: done before the slot is refilled or dropped
-            future, slot.pending = slot.pending, None
+            future, slot.pending, slot.unsent = slot.pending, None, None
             concurrent.futures.wait([future])  # its error goes with the copy
         slot.group = None
         self.ledger.release(slot.nbytes)
