@@ -223,10 +223,12 @@ def test_checkpoint_load_small(tmp_path):
     assert 0.9 <= data["peak_growth_over_model"]["checkpoint"] <= 1.3  # the model once, not twice
 
 
-@pytest.mark.slow  # four offloaders of one Llama, each call reading from disk
-def test_disk_tier_small(tmp_path):
+@pytest.mark.slow  # four offloaders of one Llama, each call reading from disk (on the simulated accelerator: two)
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_disk_tier_small(tmp_path, device):
     out = tmp_path / "disk_tier.json"
-    _run("disk_tier.py", "--hidden", "256", "--layers", "2", "--rounds", "1", "--out", str(out))
+    hidden = "256" if device == "cpu" else "64"
+    _run("disk_tier.py", "--device", device, "--hidden", hidden, "--layers", "2", "--rounds", "1", "--out", str(out))
     data = json.loads(out.read_text())
     assert all(data["outputs_equal_plain"].values()) and {"plain", "ours"} <= set(data["median_s"])
     assert data["disk_bytes_read_per_call"] == data["disk_bytes"] > 0  # every group on disk read once per call
