@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--depth", type=int, default=8, help="blocks at 1x (2x doubles it)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--out", type=Path, default=RESULTS / "regional_capture.json")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "DEPTH", "METHOD"), help=argparse.SUPPRESS)
@@ -90,14 +91,14 @@ def main(argv: list[str] | None = None) -> dict:
     for round_ in range(args.rounds):
         for name in args.models:
             for depth in depths:
-                for method in METHODS:
+                for method in args.methods:
                     result = run_fresh(name, depth, method, args.timeout)
                     samples.append({"round": round_, "model": name, "depth": depth, "method": method, **result})
                     print(f"round {round_} {name:5s} depth {depth:3d} {method:14s} "
                           f"{result.get('first_call_s', float('nan')):6.2f} s {result.get('error', '')}", flush=True)
     summary: dict = {}
     for name in args.models:
-        for method in METHODS:
+        for method in args.methods:
             firsts = {depth: median([s["first_call_s"] for s in samples if s["model"] == name
                                      and s["depth"] == depth and s["method"] == method and "first_call_s" in s])
                       for depth in depths}
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"first_call_s_depth_{d}": v for d, v in firsts.items()} | {
                 "growth": firsts[depths[1]] / firsts[depths[0]] if ok else None}
     data = {"command": exact_command(), "environment": environment(),
-            "config": {"models": args.models, "depths": depths, "rounds": args.rounds, "methods": METHODS,
+            "config": {"models": args.models, "depths": depths, "rounds": args.rounds, "methods": args.methods,
                        "torch_num_threads": 1},
             "summary": summary, "samples": samples}
     write_json(args.out, data)

@@ -156,6 +156,7 @@ def test_generate_runs_offloaded(name):
 
 
 @pytest.mark.slow
+@pytest.mark.trial  # a real model end to end under inductor (about 20 s)
 @pytest.mark.parametrize("name", ["bert"])
 def test_inductor_budget(name):
     model, kwargs = build(name)

@@ -33,8 +33,8 @@ def _two_ranks(case: str, compiler: str, tmp_path, backend: str = "gloo") -> lis
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.slow  # two ranks in subprocesses: each a fresh interpreter
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.slow  # two ranks in subprocesses: each a fresh interpreter (under inductor: a trial, about 17 s)
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.trial)])
 def test_tensor_parallel_streams_each_ranks_shards(compiler, tmp_path):
     ranks = _two_ranks("tp", compiler, tmp_path)
     # up: columns sharded (weight and bias); down: rows sharded, its bias replicated

@@ -221,6 +221,7 @@ def test_inductor_streams_int8_blocks():
 
 
 @pytest.mark.slow
+@pytest.mark.trial  # a real model end to end under inductor (about 25 s); test_inductor_streams_int8_blocks stays
 def test_inductor_streams_an_int8_llama_as_its_quantized_bytes():
     model, kwargs = _llama("int8")
     expected, quantized = _logits(model, kwargs), _quantized_bytes(model)

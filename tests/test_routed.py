@@ -201,12 +201,18 @@ def _moe(name: str, top_k: int, layers: int = 2, implementation: str = "batched_
     return getattr(transformers, model_class)(config).eval()
 
 
-def decode_bytes(m, ids: torch.Tensor) -> tuple[int, object]:
-    """Bytes one decode token moves (batch 1, after a prefill of ``ids``), and the stats of that call."""
+def decode_bytes(m, ids: torch.Tensor, plain=None) -> tuple[int, object]:
+    """Bytes one decode token moves (batch 1, after a prefill of ``ids``), and the stats of that call; with
+    ``plain``, the token's logits equal the plain model's."""
     with torch.no_grad():
         out = m(input_ids=ids, use_cache=True)
         reset_offload_stats(m)
-        m(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        got = m(input_ids=token, past_key_values=out.past_key_values, use_cache=True).logits
+        if plain is not None:
+            before = plain(input_ids=ids, use_cache=True)
+            expected = plain(input_ids=token, past_key_values=before.past_key_values, use_cache=True).logits
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     stats = assert_traffic_matches_plan(m)
     return stats.bytes_transferred, stats
 
@@ -236,15 +242,16 @@ def test_moe_decode_moves_top_k_experts_and_generates_the_same_tokens(name, top_
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert "    whole model.layers.0." in describe_plan(m)
 
-    moved, stats = decode_bytes(m, ids)
+    moved, stats = decode_bytes(m, ids, plain)
     target = other_bytes + top_k / 16 * expert_bytes
     assert moved <= 1.1 * target, f"decode moved {moved} B per token, target {target:.0f} B"
     assert stats.routed_fetches == 2 * 2 and 0 < stats.routed_bytes <= top_k / 16 * expert_bytes
     assert f"at most {top_k} of 16 experts per call" in describe_plan(m)
 
-    with torch.no_grad():
-        expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
-        assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), expected)
+    if (name, top_k) == ("qwen3_moe", 2):  # many decode steps, once per expert kernel (about 5 s each)
+        with torch.no_grad():
+            expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
+            assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), expected)
 
 
 @pytest.mark.slow  # two inductor compiles

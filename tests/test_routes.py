@@ -169,7 +169,7 @@ def test_the_users_fullgraph_compile_around_a_model_with_a_graph_break_streams_t
 
 # a Llama captured through the backend, then generating
 @pytest.mark.parametrize("compiler", [pytest.param("eager", marks=[pytest.mark.slow, pytest.mark.newest_torch]),
-                                      pytest.param("inductor", marks=pytest.mark.slow)])
+                                      pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.trial])])
 def test_the_backend_offloads_in_place_so_generate_streams_too(compiler):
     model, inputs, plain = _llama()
     c = torch.compile(model, backend="omni_offload", options={"strategy": "layerwise", "device": "cpu",
