@@ -98,7 +98,9 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     policy = runtime.policy
     alternating = policy.strategy in COMPONENT_STRATEGIES
     # alternating: a component is alone on the device while it runs, so nothing is fetched ahead of it
-    schedule = build_schedule(uses, 0 if alternating else policy.prefetch, carry=policy.prefetch_next_call)
+    on_disk = frozenset(g.index for g in runtime.groups if g.on_disk)
+    schedule = build_schedule(uses, 0 if alternating else policy.prefetch, carry=policy.prefetch_next_call,
+                              read_ahead=on_disk)
     resident = {w.group for w in weights.values()} - streamed
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
                                  runtime.new_fetch_key, _parked_instance(schedule, runtime),

@@ -338,3 +338,42 @@ def test_auto_with_no_host_memory_to_spare_streams_every_group_from_disk(tmp_pat
     runtime = _runtime(m)
     assert runtime.host.host_bytes == 0 and all(g.on_disk for g in runtime.groups if g.nbytes)
     assert not offload_plan(m).resident
+
+
+class _WideHead(nn.Module):
+    """Four blocks and a head larger than a block: the head goes to disk first, then block 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.head = nn.Linear(64, 256)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x)) + x
+        return self.head(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_group_on_disk_is_read_as_soon_as_the_read_before_it_was_waited_for(tmp_path, device):
+    """The head's read is issued at the wait of block 0 (the read before it), not one group before the head:
+    the worker reads it while blocks 1 to 3 compute. Its slot is held from there, and the plan says so: the
+    ledger's peak equals the verified one, the traffic equals the plan, and the outputs are the plain model's."""
+    from offload_compiler.testing import assert_offload_equivalent, simulated_device
+    device = simulated_device() if device == "sim" else device
+    torch.manual_seed(5)
+    model = _WideHead().eval().requires_grad_(False)
+    head, block = (64 * 256 + 256) * 4, BLOCK
+    policy = OffloadPolicy(strategy="layerwise", prefetch=1, device=device, host_budget_gb=3 * block / 2**30,
+                           disk_dir=str(tmp_path))
+    m = offload_compile(copy.deepcopy(model), policy)
+    runtime = _runtime(m)
+    assert {g.name for g in runtime.groups if g.on_disk} == {"head", "blocks.0"}
+    report = assert_offload_equivalent(model, policy, torch.randn(2, 64), calls=2)
+    assert report.peak_resident_bytes == 2 * block + head  # blocks k and k+1, and the head read ahead
+    with torch.no_grad():
+        m(torch.randn(2, 64).to(device))
+    schedule = runtime.graph_plans[0].schedule
+    order = [runtime.groups[i.group].name for i in schedule.instances]
+    assert order == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert schedule.prefetch_at == (0, 0, 1, 2, 0)  # the head: at the wait of blocks.0, the read before it

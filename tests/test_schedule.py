@@ -112,3 +112,29 @@ def test_tied_embedding_is_carried_after_the_head_is_gone():
     s = build_schedule(uses, 1, carry=True)
     assert s.carry_at == ((0, 4),)  # after the last node: the head's copy of the same group is evicted first
     assert peak_bytes(s, {9: 100, 0: 10, 1: 1}) == 110
+
+
+def test_a_group_on_disk_is_prefetched_once_the_read_before_it_is_waited_for():
+    """Reads from disk run one at a time on the worker: the head (on disk) after three layers in memory is
+    prefetched at the wait of the last group read before it, not one group before its own wait."""
+    uses = [Use(g, g, g, key=g) for g in range(6)]  # embedding, four layers, head; 0, 1 and 5 on disk
+    s = build_schedule(uses, 1, read_ahead=frozenset({0, 1, 5}))
+    assert s.prefetch_at == (0, 0, 1, 2, 3, 1)
+    assert build_schedule(uses, 1).prefetch_at == (0, 0, 1, 2, 3, 4)
+    assert peak_bytes(s, dict.fromkeys(range(6), 10)) == 30  # the head's slot is held from there: counted
+
+
+@given(use_sequences, st.integers(0, 3), st.integers(1, 3), st.sets(st.integers(0, 5)))
+def test_reads_ahead_never_put_two_copies_of_a_group_on_the_device_and_other_prefetches_keep_their_distance(
+        seq, prefetch, max_runs, on_disk):
+    schedule = build_schedule(_uses(seq), prefetch, max_runs, read_ahead=frozenset(on_disk))
+    instances, points = schedule.instances, schedule.prefetch_at
+    for inst in instances:
+        at = points[inst.index]
+        assert at <= inst.index  # never later than its own wait
+        if inst.group not in on_disk:
+            assert max(inst.index - prefetch, 0) <= at  # never more than `prefetch` ahead
+    for a in instances:
+        for b in instances[a.index + 1:]:
+            if a.group == b.group:
+                assert instances[points[b.index]].start > a.end  # never two copies of one group

@@ -70,8 +70,10 @@ def _runs(uses: list[Use]) -> dict[int, list[list[Use]]]:
     return runs
 
 
-def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2, carry: bool = False) -> Schedule:
-    """Fetch instances ordered by first use; instance i is prefetched at the wait of instance i - prefetch;
+def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2, carry: bool = False,
+                   read_ahead: frozenset[int] = frozenset()) -> Schedule:
+    """Fetch instances ordered by first use; instance i is prefetched at the wait of instance i - prefetch
+    (an instance of a ``read_ahead`` group, on disk: at the latest, at the wait of the previous such instance);
     with ``carry``, the first ones are prefetched for the next call at the end of this one."""
     spans = []
     for group, group_runs in _runs(uses).items():
@@ -81,22 +83,35 @@ def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2, carry: boo
             spans.append((min(u.start for u in run), group, max(u.end for u in run), tuple(run)))
     spans.sort(key=lambda s: (s[0], s[1]))
     instances = tuple(Instance(i, group, start, end, run) for i, (start, group, end, run) in enumerate(spans))
-    points = _prefetch_points(instances, prefetch)
+    points = _prefetch_points(instances, prefetch, read_ahead)
     return Schedule(instances, points, prefetch, _carry_points(instances, points, prefetch) if carry else ())
 
 
-def _prefetch_points(instances: tuple[Instance, ...], prefetch: int) -> tuple[int, ...]:
+def _prefetch_points(instances: tuple[Instance, ...], prefetch: int, read_ahead: frozenset[int] = frozenset()
+                     ) -> tuple[int, ...]:
     """Instance i is prefetched at the wait of instance i - prefetch, but never before the previous copy of
-    its group was evicted (a weight used at both ends must not be on the device twice), and in order."""
+    its group was evicted (a weight used at both ends must not be on the device twice), and in order -- except
+    an instance of a ``read_ahead`` group (on disk), prefetched at the wait of the previous such instance where
+    that is earlier: a read takes longer than a copy from memory, and the worker reads one file at a time, so
+    each read is issued once the one before it is waited for, not one group before its own wait (the head of a
+    model whose last layers are in memory was read with nothing computing beside it). Its slot is held from
+    there: the plan's peak counts it."""
     points: list[int] = []
     last_end: dict[int, int] = {}
+    ordered = 0  # the latest point so far: the other prefetches keep their order
+    last_read = None  # the previous read-ahead instance
     for inst in instances:
-        at = max(inst.index - prefetch, 0, points[-1] if points else 0)
+        at = max(inst.index - prefetch, 0, ordered)
+        if inst.group in read_ahead:
+            if last_read is not None and prefetch > 0:
+                at = min(at, last_read)
+            last_read = inst.index
         previous_end = last_end.get(inst.group)
         if previous_end is not None:
             while instances[at].start <= previous_end:
                 at += 1
         points.append(at)
+        ordered = max(ordered, at)
         last_end[inst.group] = inst.end
     return tuple(points)
 
@@ -111,7 +126,7 @@ def _carry_points(instances: tuple[Instance, ...], points: tuple[int, ...], pref
     for inst in instances:
         last_end[inst.group] = inst.end
     carry: list[tuple[int, int]] = []
-    at = points[-1] if points else 0
+    at = max(points, default=0)
     for inst in instances[:prefetch]:
         if points[inst.index] != 0:
             break

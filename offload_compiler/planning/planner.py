@@ -149,8 +149,10 @@ class Prediction:
 
 
 def schedule_for(table: CostTable, choice: Choice) -> Schedule:
+    """The schedule the backend builds for ``choice`` (`backend.rewrite_graph`): reads of its groups on disk
+    ahead, back to back."""
     return build_schedule([u for u in table.uses if u.group not in choice.resident], choice.prefetch,
-                          carry=table.carry)
+                          carry=table.carry, read_ahead=table.on_disk(choice.resident) or frozenset())
 
 
 def predict(table: CostTable, choice: Choice) -> Prediction:
