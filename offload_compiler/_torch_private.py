@@ -8,7 +8,9 @@ changes it (`test_no_private_torch_outside_this_module` checks that no other mod
 ``torch.compiler.disable``/``is_compiling``/``reset``, the ``guard_filter_fn`` option of ``torch.compile``,
 ``torch.library``, ``torch.fx`` (``torch.fx.experimental.symbolic_shapes`` included), ``OpOverload.name()``,
 ``Tensor.__torch_function__``'s default (`host_masters`), ``Tensor.to``'s documented arguments (`offloaded`).
-``_make_wrapper_subclass`` is the documented way to make a wrapper subclass and is not counted.
+``_make_wrapper_subclass`` is the documented way to make a wrapper subclass and is not counted, nor is
+``_stable_hash_for_caching``, a method torch's AOT-autograd cache calls on a subclass where it exists (its
+warning asks subclasses for it): torch calls it, we call nothing, and without it the cache falls back to a hash.
 
 1. ``torch._dynamo.eval_frame.OptimizedModule`` and its ``_orig_mod``: the wrapper ``torch.compile(module)``
    returns, and the model inside it (`compiled_module_of`, `compiled_models`: the ``omni_offload`` backend
@@ -455,7 +457,7 @@ def guards_only_on(kinds: dict[type, str]) -> Callable[[list], list[bool]]:
     guard of the kind named there:
 
     - a host master (``"TENSOR_MATCH"``, a C++ check of its class, shape, strides, dtype and device): its
-      ``__tensor_flatten__`` context (device and account, compared in Python per weight), its inner ``host``
+      ``__tensor_flatten__`` context (its device, compared in Python per weight), its inner ``host``
       tensor (rebound by ``p.data = t``; the offloaded graph reads the weight's device slot, never ``host``) and
       the list of its inner attributes (a Python call per weight) follow from the class and the runtime that
       made it; the offloaded call checks the weights' identity at every graph call anyway (`GraphRunner`).

@@ -104,12 +104,23 @@ class HostMaster(torch.Tensor):
         return (f"HostMaster(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
                 f"bytes in {self.host.device} memory)")
 
+    # The context is what a compiled graph depends on, and torch's compile caches pickle it with the graph: the
+    # device, not the runtime's account (a weak reference, which no pickle takes, and one runtime's). A master
+    # torch rebuilds from its parts (a fake one while tracing, a view a compiled graph returns) counts no reads.
     def __tensor_flatten__(self):
-        return ["host"], (self.device, self.account)
+        return ["host"], (self.device,)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size, outer_stride) -> "HostMaster":
-        return HostMaster(inner["host"], ctx[0], ctx[1])
+        return HostMaster(inner["host"], ctx[0])
+
+    def _stable_hash_for_caching(self) -> str:
+        """What a graph compiled with this master as an input depends on: its layout and its host bytes' layout,
+        never their values. Torch's AOT-autograd cache keys a tensor subclass input by this string (without it,
+        by a hash of the flatten context, with a warning that names this method)."""
+        host = self.host
+        return repr((tuple(self.shape), self.stride(), self.dtype, str(self.device), self.requires_grad,
+                     tuple(host.shape), host.stride(), host.dtype, str(host.device)))
 
     def __deepcopy__(self, memo: dict) -> "HostMaster":
         return HostMaster(copy.deepcopy(self.host, memo), self.device, None, self.requires_grad)

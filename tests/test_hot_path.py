@@ -244,12 +244,19 @@ def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypa
 
 
 def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_sees_each_one():
+    """Also: the offloaded graph goes into torch's FX-graph and AOT-autograd caches (a host master's layout keys
+    it, its flatten context pickles), so a second process compiles nothing (benchmarks/compile_cache.py)."""
+    from torch._dynamo.utils import counters
     model, x = build_block_model(SPEC, 5)
     expected = model(x).detach()
     m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor"))
     from torch._inductor.utils import run_and_get_code
+    counters.clear()
     with torch.no_grad():
         out, (code, *_) = run_and_get_code(m, x)
+    assert counters["aot_autograd"]["autograd_cache_saved"] == 1 and counters["inductor"]["fxgraph_cache_miss"] == 1
+    assert not [k for name in ("aot_autograd", "inductor") for k in counters[name] if "bypass" in k]
+    with torch.no_grad():
         torch.testing.assert_close(out, expected)
         assert "torch.ops.offload_compiler.transfer.default(" not in code and f"= {DIRECT_TRANSFER}(" in code
         reset_offload_stats(m)
