@@ -309,8 +309,9 @@ def _tensor(out) -> torch.Tensor:
 @pytest.mark.parametrize("build", [_post_norm_stack, _llama])
 def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(build):
     """Each materialized weight reader (Gemma's post-norm ``1 + w``, RMSNorm's ``w * x``) is a copy later kernels
-    read, never the weight, and the evict follows it: with ``debug_poison`` (evicted slots overwritten) the
-    outputs are bit-equal to the plain model's under inductor, call after call."""
+    read, never the weight, and the evict follows it: with ``debug_poison`` (evicted slots filled with NaN) the
+    outputs equal the plain model's, call after call (to inductor's rounding: a read after an evict would be NaN,
+    a read of another group's weights far off)."""
     from capture import capture
     from torch._inductor.utils import run_and_get_code
     model, args, kwargs = build()
@@ -320,12 +321,13 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
     assert _count(rewritten, OPS.materialize.default) > 0
     torch._dynamo.reset()
     with torch.no_grad():
-        expected = _tensor(torch.compile(copy.deepcopy(model), backend="inductor")(*args, **kwargs))
+        expected = _tensor(copy.deepcopy(model)(*args, **kwargs))
         m = offload_compile(copy.deepcopy(model), policy)
         out, (code, *_) = run_and_get_code(m, *args, **kwargs)
         again = m(*args, **kwargs)
     assert MATERIALIZE_CALL in code and f"= {DIRECT_TRANSFER}(" in code
-    assert torch.equal(_tensor(out), expected) and torch.equal(_tensor(again), expected)
+    for got in (_tensor(out), _tensor(again)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)  # NaN fails it
     assert_traffic_matches_plan(m)
 
 
