@@ -7,9 +7,10 @@ forward of ``--tokens`` tokens per call, one torch thread, against
   diffusers-disk        diffusers apply_group_offloading(block_level, 1 block per group, offload_to_disk_path=dir)
 
 and the limit max(compute, bytes read per call / the disk's read bandwidth): the bandwidth is measured on a
-file of the size ours reads per call, its pages dropped first. Before every call of every method, the pages of
-the files it reads are dropped from the page cache (``posix_fadvise``; ours drops its own after each read), so
-each call reads the disk, as a model larger than memory would. The methods are interleaved, call by call, in
+file of the size ours reads per call, its pages dropped first, read once per round between the methods (median
+over the rounds, as theirs: the disk's bandwidth drifts by 10-20% here). Before every call of every method, the
+pages of the files it reads are dropped from the page cache (``posix_fadvise``; ours drops its own after each
+read), so each call reads the disk, as a model larger than memory would. The methods are interleaved, call by call, in
 this one process; medians over the rounds.
 
     PYTHONPATH=. python benchmarks/disk_tier.py [--hidden 1024] [--layers 12] [--tokens 4] [--rounds 5]
@@ -19,6 +20,13 @@ a host staging buffer on the worker thread, then copies it to the device on the 
 are left out. ``--device sim`` runs that path on the simulated accelerator, as a check that it runs and gives the
 plain model's outputs, not as a timing: its stream checker compares every in-flight copy's host source before
 each op, which costs far more than the reads (a 4-layer hidden-256 Llama: about 20 s a call, against 0.2 s plain).
+
+``--per-group`` adds one more call of ours after the rounds, timed group by group (``per_group`` in the
+results): when each group's fill ran and on which thread (a group on disk is read on the worker thread, one in
+memory is copied on the calling thread), how long the call waited for it, and where the worker's disk sat idle.
+The instrumentation wraps the runtime's fills (`runtime.transfers._copy_group`; on an accelerator also
+`_read_staged`, the read into a staging buffer) and its wait (`TransferEngine._ready`) for that call only: it costs
+microseconds per group, against milliseconds per read.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -54,8 +63,8 @@ def _drop_pages(folder: str) -> None:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _read_bandwidth(nbytes: int, folder: str) -> float:
-    """Bytes per second reading a file of ``nbytes`` written here, its pages dropped first (median of 3)."""
+def _bandwidth_file(nbytes: int, folder: str) -> str:
+    """A file of ``nbytes`` (random bytes, on the disk: synced) to measure the read bandwidth on."""
     path = os.path.join(folder, "bandwidth.bin")
     block = os.urandom(1 << 20)
     with open(path, "wb") as f:
@@ -63,18 +72,18 @@ def _read_bandwidth(nbytes: int, folder: str) -> float:
             f.write(block)
         f.flush()
         os.fsync(f.fileno())
-    size = os.path.getsize(path)
+    return path
+
+
+def _read_seconds(path: str) -> float:
+    """Seconds to read ``path`` start to end (16 MiB reads into one buffer), its pages dropped first."""
     buffer = bytearray(1 << 24)
-    times = []
-    for _ in range(3):
-        _drop_pages(folder)
+    with open(path, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         start = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buffer):
-                pass
-        times.append(time.perf_counter() - start)
-    os.unlink(path)
-    return size / statistics.median(times)
+        while f.readinto(buffer):
+            pass
+        return time.perf_counter() - start
 
 
 def _methods(model, folder: str, budget: float, device: str) -> dict[str, tuple[object, str | None]]:
@@ -110,6 +119,61 @@ def _methods(model, folder: str, budget: float, device: str) -> dict[str, tuple[
     return methods
 
 
+def _per_group(ours, call: Callable[[object], torch.Tensor]) -> dict:
+    """One call of ours, timed group by group (milliseconds from the call's start): each fill (``thread``:
+    ``worker`` reads a group on disk, ``caller`` copies one in memory inline) and each wait of the call for a
+    group's slot; then the worker's reads laid end to end against the call."""
+    from offload_compiler.runtime import transfers
+    fills: list[dict] = []
+    waits: list[dict] = []
+    copy_group, read_staged, ready = transfers._copy_group, transfers._read_staged, transfers.TransferEngine._ready
+    caller = threading.current_thread()
+    start = time.perf_counter()
+
+    def ms(t: float) -> float:
+        return round((t - start) * 1e3, 3)
+
+    def timed(fill):
+        def run(buffers, group):
+            began = time.perf_counter()
+            fill(buffers, group)
+            fills.append({"group": group.name, "on_disk": group.on_disk, "bytes": group.nbytes,
+                          "thread": "caller" if threading.current_thread() is caller else "worker",
+                          "start_ms": ms(began), "end_ms": ms(time.perf_counter())})
+        return run
+
+    def timed_ready(self, slot):
+        began = time.perf_counter()
+        out = ready(self, slot)
+        waits.append({"group": self.groups[slot.group].name, "at_ms": ms(began),
+                      "waited_ms": round((time.perf_counter() - began) * 1e3, 3)})
+        return out
+
+    transfers._copy_group, transfers._read_staged = timed(copy_group), timed(read_staged)
+    transfers.TransferEngine._ready = timed_ready
+    try:
+        start = time.perf_counter()
+        call(ours)
+        total = time.perf_counter() - start
+    finally:
+        transfers._copy_group, transfers._read_staged, transfers.TransferEngine._ready = copy_group, read_staged, ready
+    reads = sorted((f for f in fills if f["thread"] == "worker"), key=lambda f: f["start_ms"])
+    idle = [reads[0]["start_ms"]] + [b["start_ms"] - a["end_ms"] for a, b in zip(reads, reads[1:])] if reads else []
+    return {
+        "call_ms": round(total * 1e3, 3), "fills": sorted(fills, key=lambda f: f["start_ms"]), "waits": waits,
+        "summary": {
+            "reading_ms": round(sum(f["end_ms"] - f["start_ms"] for f in reads), 3),
+            "read_bytes": sum(f["bytes"] for f in reads),
+            "disk_idle_before_first_read_ms": round(idle[0], 3) if idle else None,
+            "disk_idle_between_reads_ms": round(sum(idle[1:]), 3) if idle else None,
+            "after_last_read_ms": round(total * 1e3 - reads[-1]["end_ms"], 3) if reads else None,
+            "waited_ms": round(sum(w["waited_ms"] for w in waits), 3),
+            "inline_copies_ms": round(sum(f["end_ms"] - f["start_ms"] for f in fills if f["thread"] == "caller"),
+                                      3),
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
@@ -121,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="'cpu', an accelerator ('cuda': groups on disk are read into host staging buffers, then "
                              "copied to it; plain and ours only), or 'sim' (the simulated one: a check, not a timing)")
     parser.add_argument("--out", type=Path, default=None, help="default: results/disk_tier[_sim].json")
+    parser.add_argument("--per-group", action="store_true", help="one more call of ours, timed group by group")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from offload_compiler import offload_stats, reset_offload_stats
@@ -143,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
             call(ours)
             stats = offload_stats(ours)
             times: dict[str, list[float]] = {name: [] for name in methods}
+            # the disk's bandwidth varies by 10-20% from minute to minute here: read a file of the bytes ours
+            # reads per call once per round, between the methods, and take the median like theirs
+            bandwidth_file = _bandwidth_file(stats.disk_bytes_read, folder)
+            bandwidth_file_bytes = os.path.getsize(bandwidth_file)
+            read_times: list[float] = []
             for _ in range(args.rounds):
                 for name, (m, pages) in methods.items():
                     if pages is not None:
@@ -150,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
                     start = time.perf_counter()
                     call(m)
                     times[name].append(time.perf_counter() - start)
-        bandwidth = _read_bandwidth(stats.disk_bytes_read, folder)
+                read_times.append(_read_seconds(bandwidth_file))
+            per_group = _per_group(ours, call) if args.per_group else None
+    bandwidth = bandwidth_file_bytes / statistics.median(read_times)
     median = {name: statistics.median(t) for name, t in times.items()}
     limit = max(median["plain"], stats.disk_bytes_read / bandwidth)
     result = {
@@ -159,10 +231,12 @@ def main(argv: list[str] | None = None) -> None:
         "device": device,
         "model_bytes": model_bytes, "host_budget_bytes": int(args.budget * model_bytes),
         "disk_bytes": stats.disk_bytes, "disk_bytes_read_per_call": stats.disk_bytes_read,
-        "read_bandwidth_bytes_per_s": bandwidth, "limit_s": limit, "median_s": median,
+        "read_bandwidth_bytes_per_s": bandwidth, "read_bandwidth_all_bytes_per_s":
+            [bandwidth_file_bytes / t for t in read_times], "limit_s": limit, "median_s": median,
         "over_limit": {name: t / limit for name, t in median.items()},
         "ours_speedup": {name: t / median["ours"] for name, t in median.items() if name not in ("ours", "plain")},
         "outputs_equal_plain": outputs, "rounds": args.rounds, "times_s": times,
+        **({"per_group": per_group} if per_group is not None else {}),
         "targets": {"ours within 1.2x the limit": median["ours"] <= 1.2 * limit,
                     **({"ours >= 2.5x faster than accelerate disk_offload":
                         median["accelerate-disk"] >= 2.5 * median["ours"]} if "accelerate-disk" in median else {}),

@@ -228,12 +228,20 @@ def test_checkpoint_load_small(tmp_path):
 def test_disk_tier_small(tmp_path, device):
     out = tmp_path / "disk_tier.json"
     hidden = "256" if device == "cpu" else "64"
-    _run("disk_tier.py", "--device", device, "--hidden", hidden, "--layers", "2", "--rounds", "1", "--out", str(out))
+    _run("disk_tier.py", "--device", device, "--hidden", hidden, "--layers", "2", "--rounds", "1", "--per-group",
+         "--out", str(out))
     data = json.loads(out.read_text())
     assert all(data["outputs_equal_plain"].values()) and {"plain", "ours"} <= set(data["median_s"])
     assert data["disk_bytes_read_per_call"] == data["disk_bytes"] > 0  # every group on disk read once per call
     assert data["disk_bytes"] >= data["model_bytes"] - data["host_budget_bytes"]
     assert data["read_bandwidth_bytes_per_s"] > 0 and data["limit_s"] > 0
+    # the timed call: every group on disk read once, on the worker thread; the call waited for each fetch
+    per_group = data["per_group"]
+    reads = [f for f in per_group["fills"] if f["on_disk"]]
+    assert {f["thread"] for f in reads} == {"worker"} and len({f["group"] for f in reads}) == len(reads)
+    assert per_group["summary"]["read_bytes"] == sum(f["bytes"] for f in reads) >= data["disk_bytes"]
+    assert {w["group"] for w in per_group["waits"]} >= {f["group"] for f in per_group["fills"]}
+    assert 0 < per_group["summary"]["reading_ms"] <= per_group["call_ms"] * 1.05
 
 
 @pytest.mark.slow  # a tiny MoE decoder on the simulated accelerator: per layer, its two expert weights fetched routed
