@@ -254,7 +254,10 @@ def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_se
     counters.clear()
     with torch.no_grad():
         out, (code, *_) = run_and_get_code(m, x)
-    assert counters["aot_autograd"]["autograd_cache_saved"] == 1 and counters["inductor"]["fxgraph_cache_miss"] == 1
+    # saved by this compile, or found there by one of an earlier run sharing the cache directory
+    aot, fx = counters["aot_autograd"], counters["inductor"]
+    assert aot["autograd_cache_saved"] + aot["autograd_cache_hit"] == 1
+    assert fx["fxgraph_cache_miss"] + fx["fxgraph_cache_hit"] == 1
     assert not [k for name in ("aot_autograd", "inductor") for k in counters[name] if "bypass" in k]
     with torch.no_grad():
         torch.testing.assert_close(out, expected)
