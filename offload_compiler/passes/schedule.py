@@ -93,9 +93,8 @@ def _prefetch_points(instances: tuple[Instance, ...], prefetch: int, read_ahead:
     its group was evicted (a weight used at both ends must not be on the device twice), and in order -- except
     an instance of a ``read_ahead`` group (on disk), prefetched at the wait of the previous such instance where
     that is earlier: a read takes longer than a copy from memory, and the worker reads one file at a time, so
-    each read is issued once the one before it is waited for, not one group before its own wait (the head of a
-    model whose last layers are in memory was read with nothing computing beside it). Its slot is held from
-    there: the plan's peak counts it."""
+    each read is issued once the one before it is waited for, not one group before its own wait: the reads then
+    overlap the groups in memory between them. Its slot is held from there: the plan's peak counts it."""
     points: list[int] = []
     last_end: dict[int, int] = {}
     ordered = 0  # the latest point so far: the other prefetches keep their order
