@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU campaign in one run (under ten minutes on one H100), everything written into one folder:
+# The whole GPU campaign in one run (eight minutes on one H100 or H200), everything written into one folder:
 #
 #   bash benchmarks/gpu_campaign.sh OUTDIR            # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_campaign.sh OUTDIR --smoke    # on CPU: proves the driver end to end, measures nothing
@@ -7,21 +7,23 @@
 # OUTDIR is also packed into OUTDIR.tgz at the end (the device tool brings back at most 8 files: run it with
 # OUTDIR=$OUT/campaign and the archive holds everything).
 #
-# Steps, each logged to OUTDIR/campaign.log and timed; a failing step is recorded and the next one runs:
+# Steps, each logged to OUTDIR/campaign.log and timed; a failing step is recorded and the next one runs. On the GPU
+# they come in the order the GPU issue needs them, each cut to what is left of CAMPAIGN_BUDGET_S (default 520 s;
+# a lease is about 15 minutes, the machine's start included):
 #   1. the machine: nvidia-smi, torch / CUDA / driver versions (environment.json)
-#   2. tests: `pytest -m gpu` (CUDA graphs, copy stream, pinned buffers), then every strategy's CUDA path
-#   3. benchmarks: the reduced gpu_offload run, the CPU-free host-overhead and decode figures on the GPU's host,
-#      mixture-of-experts decode with routed expert fetches (moe_decode.py),
-#      a torch.profiler trace of one offloaded forward (copies overlapping compute), the disk tier (groups read
-#      into staging on the worker thread, then copied on the copy stream: disk_tier.py), then the full gpu_offload
-#      run if the time budget still allows it
+#   2. tests: `pytest -m gpu` (CUDA graphs, copy stream, pinned buffers), then tests/test_simulated_device.py with
+#      OFFLOAD_TEST_DEVICE=cuda (every strategy's device path, the stream and capture defects, on real streams)
+#   3. benchmarks: gpu_offload.py on the DiT stack, LLM prefill and decode at batch 1 against accelerate, diffusers
+#      and vLLM's functional_call (the issue's targets, written after each family), a torch.profiler trace of one
+#      offloaded forward (pinned copies overlapping compute), the DiT stack under inductor, mixture-of-experts
+#      decode with routed expert fetches, the disk tier
 # diffusers is not installed on the GPU machines: carry its wheel in .whl/ (see the device tool's README) and
 # this script installs it into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: gpu_campaign.sh OUTDIR [--smoke]}"
 SMOKE="${2:-}"
-BUDGET_S="${CAMPAIGN_BUDGET_S:-540}"
+BUDGET_S="${CAMPAIGN_BUDGET_S:-520}"
 mkdir -p "$OUT"
 LOG="$OUT/campaign.log"
 START=$(date +%s)
@@ -43,6 +45,16 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record status and seconds 
   printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" | tee -a "$OUT/steps.tsv"
 }
 left() { echo $(( BUDGET_S - $(elapsed) )); }
+capped() {  # capped NAME LIMIT_S COMMAND...: step, its limit cut to what is left of the budget; skipped under 30 s
+  local name="$1" limit="$2" room; shift 2
+  room=$(( $(left) - 10 ))
+  if [ "$room" -lt 30 ]; then
+    echo "=== $name skipped: $(left) s left of $BUDGET_S" | tee -a "$LOG"
+    printf '%s\tskipped\t0\n' "$name" >>"$OUT/steps.tsv"
+    return
+  fi
+  step "$name" $(( limit < room ? limit : room )) "$@"
+}
 
 if [ "$SMOKE" = "--smoke" ]; then
   DEVICE=cpu
@@ -58,19 +70,24 @@ else
   DEVICE=cuda
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
   step environment 60 python -c "import json, torch, sys; sys.path.insert(0, 'benchmarks'); from common import environment; json.dump(environment(), open('$OUT/environment.json', 'w'), indent=2)"
-  step tests-gpu 240 python -m pytest -q -m gpu tests/test_gpu.py tests/test_fake_cuda.py
-  step gpu-offload-reduced 240 python benchmarks/gpu_offload.py --reps 5 --warmup 1 --rss off \
-    --dit-blocks 8 --dit-seq 4096 --llm-layers 6 --llm-prefill-seq 1024 --out "$OUT/gpu_offload_reduced.json"
-  step profile 90 python benchmarks/profile_forward.py --device cuda --out "$OUT/profile.json"
-  step decode 90 python benchmarks/decode.py --rounds 5 --out "$OUT/decode_host.json"
-  step moe-decode 90 python benchmarks/moe_decode.py --device cuda --dtype bfloat16 --hidden 1024 --layers 8 \
+  capped tests-gpu 150 python -m pytest -q -rfE -n 4 --timeout 120 -m gpu tests/test_gpu.py
+  capped gpu-offload 200 python benchmarks/gpu_offload.py --reps 5 --warmup 1 --rss off --no-plot \
+    --dit-blocks 8 --dit-seq 4096 --llm-layers 6 --llm-prefill-seq 1024 --workloads dit llm_prefill llm_decode_b1 \
+    --methods none ours-layerwise-p1-eager ours-layerwise-p2-eager ours-budget-eager accelerate-cpu_offload \
+    diffusers-group-block vllm-functional_call --out "$OUT/gpu_offload.json"
+  # the device-path tests written for the simulated device, on the real one
+  OFFLOAD_TEST_DEVICE=cuda capped tests-device-path 90 python -m pytest -q -rfE -n 4 --timeout 60 -m "not slow" \
+    tests/test_simulated_device.py
+  capped profile 60 python benchmarks/profile_forward.py --device cuda --out "$OUT/profile.json"
+  OFFLOAD_TEST_DEVICE=cuda capped tests-device-path-slow 120 python -m pytest -q -rfE -n 4 --timeout 90 -m slow \
+    tests/test_simulated_device.py
+  capped gpu-offload-inductor 150 python benchmarks/gpu_offload.py --reps 5 --warmup 1 --rss off --no-plot \
+    --dit-blocks 8 --dit-seq 4096 --workloads dit \
+    --methods none none-inductor ours-layerwise-p1-inductor ours-layerwise-p2-inductor diffusers-group-block \
+    --out "$OUT/gpu_offload_inductor.json"
+  capped moe-decode 60 python benchmarks/moe_decode.py --device cuda --dtype bfloat16 --hidden 1024 --layers 8 \
     --experts 64 --top-k 8 --vocab 32000 --out "$OUT/moe_decode.json"
-  step disk-tier 120 python benchmarks/disk_tier.py --device cuda --rounds 5 --out "$OUT/disk_tier_cuda.json"
-  if [ "$(left)" -gt 200 ]; then
-    step gpu-offload-full "$(( $(left) - 20 ))" python benchmarks/gpu_offload.py --out "$OUT/gpu_offload.json"
-  else
-    echo "=== gpu-offload-full skipped: $(left) s left of $BUDGET_S" | tee -a "$LOG"
-  fi
+  capped disk-tier 90 python benchmarks/disk_tier.py --device cuda --rounds 3 --out "$OUT/disk_tier_cuda.json"
 fi
 echo "campaign done in $(elapsed) s on $DEVICE; steps (name, exit status, seconds) in $OUT/steps.tsv" | tee -a "$LOG"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"

@@ -53,7 +53,12 @@ def overlap_summary(trace: dict) -> dict:
     busy = union(copies + kernels)
     span = busy[-1][1] - busy[0][0]
     copy_time = sum(b - a for a, b in union(copies))
-    return {"gpu_events": len(copies) + len(kernels), "span_us": span,
+    # CUDA names each copy by its source: "Memcpy HtoD (Pinned -> Device)" or "(Pageable -> Device)"
+    kinds: dict[str, int] = {}
+    for e in events:
+        if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""):
+            kinds[e["name"]] = kinds.get(e["name"], 0) + 1
+    return {"gpu_events": len(copies) + len(kernels), "span_us": span, "h2d_copies_by_kind": kinds,
             "kernel_us": sum(b - a for a, b in union(kernels)), "h2d_copy_us": copy_time,
             "h2d_copy_overlapped_share": covered(copies, union(kernels)) / copy_time if copy_time else None,
             "gpu_idle_us": span - sum(b - a for a, b in busy)}

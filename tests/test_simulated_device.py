@@ -1,9 +1,14 @@
 """The accelerator path on a device that is not the host (`offload_compiler.testing.simulated_device`): its
 checker on small hand-written stream programs that must pass and must fail, then offloaded models on it --
-outputs equal the plain model's, traffic equals the plan, and no ordering violation is raised."""
+outputs equal the plain model's, traffic equals the plan, and no ordering violation is raised.
+
+With ``OFFLOAD_TEST_DEVICE=cuda`` the offloaded-model tests run on that accelerator instead (the GPU campaign
+does this): the same stream programs on real streams, events and graphs. The simulator's own checks are then
+skipped, since they test the simulator."""
 
 import copy
 import gc
+import os
 
 import pytest
 import torch
@@ -14,8 +19,16 @@ from offload_compiler import (OffloadPolicy, inject_fault, offload_compile, offl
 from offload_compiler.testing import (BlockSpec, ModelSpec, OrderingViolation, assert_offload_equivalent,
                                       assert_traffic_matches_plan, build_block_model, simulated_device)
 
-DEVICE = simulated_device()
+DEVICE = os.environ.get("OFFLOAD_TEST_DEVICE") or simulated_device()
+ON_SIMULATOR = torch.device(DEVICE).type == "sim"
+if not ON_SIMULATOR:
+    if not torch.get_device_module(DEVICE).is_available():
+        pytest.skip(f"OFFLOAD_TEST_DEVICE={DEVICE} is not available here", allow_module_level=True)
+    # the references run on the CPU: the accelerator's float32 products and convolutions must not round to tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 sim = torch.get_device_module(DEVICE)
+simulator_only = pytest.mark.skipif(not ON_SIMULATOR, reason="checks the simulator itself")
 
 
 @pytest.fixture(autouse=True)
@@ -29,11 +42,13 @@ def _clean_streams():
 
 # -- the device itself ---------------------------------------------------------------------------------
 
+@simulator_only
 def test_installing_twice_gives_the_same_device_and_its_module():
     assert simulated_device() == DEVICE == "sim:0"
     assert torch.get_device_module(DEVICE) is sim
 
 
+@simulator_only
 def test_ops_compute_as_on_the_cpu_and_a_host_tensor_raises_at_the_op():
     x = torch.randn(3, 8)
     lin = nn.Linear(8, 4)
@@ -44,6 +59,7 @@ def test_ops_compute_as_on_the_cpu_and_a_host_tensor_raises_at_the_op():
     assert (x.to(DEVICE) * torch.tensor(2.0)).device.type == "sim"  # a CPU scalar is allowed, as on CUDA
 
 
+@simulator_only
 def test_what_cuda_allows_the_device_allows():
     """A composite op's Python scalar (``x % 16`` reaches the kernel as remainder.Tensor_out with the number) and
     host index tensors of advanced indexing (CUDA copies them over) compute as on CUDA; any other host tensor
@@ -62,6 +78,7 @@ def test_what_cuda_allows_the_device_allows():
         x + torch.ones(4, 3, dtype=torch.long)
 
 
+@simulator_only
 def test_memory_counters_follow_allocations():
     gc.collect()  # device memory of earlier tests' models in reference cycles goes first, not mid-test
     before = sim.memory_allocated()
@@ -74,6 +91,7 @@ def test_memory_counters_follow_allocations():
 
 # -- the checker: programs that must pass and must fail --------------------------------------------------------
 
+@simulator_only
 def test_read_on_another_stream_needs_an_event_wait():
     x = torch.ones(4, device=DEVICE)
     side = sim.Stream()
@@ -88,6 +106,7 @@ def test_read_on_another_stream_needs_an_event_wait():
     assert torch.equal((y + 1).cpu(), torch.full((4,), 3.0))
 
 
+@simulator_only
 def test_write_into_memory_another_stream_reads_needs_a_wait():
     x = torch.ones(4, device=DEVICE)
     side = sim.Stream()
@@ -100,6 +119,7 @@ def test_write_into_memory_another_stream_reads_needs_a_wait():
     x.add_(1)
 
 
+@simulator_only
 def test_allocators_rule_another_stream_waits_for_the_allocating_stream():
     buf = torch.empty(4, device=DEVICE)  # allocated on the default stream: its queued work may use the block
     copier = sim.Stream()
@@ -112,6 +132,7 @@ def test_allocators_rule_another_stream_waits_for_the_allocating_stream():
     sim.current_stream().wait_stream(copier)  # before buf is freed (see the next test)
 
 
+@simulator_only
 def test_freeing_a_block_another_stream_still_uses_is_reported():
     side = sim.Stream()
     buf = torch.empty(4, device=DEVICE)
@@ -132,6 +153,7 @@ def test_freeing_a_block_another_stream_still_uses_is_reported():
     torch.ones(1, device=DEVICE) + 1
 
 
+@simulator_only
 def test_host_must_not_change_a_copys_source_before_knowing_it_finished():
     host = torch.ones(4)
     dev = torch.empty(4, device=DEVICE)
@@ -145,6 +167,7 @@ def test_host_must_not_change_a_copys_source_before_knowing_it_finished():
     assert torch.equal((dev + 1).cpu(), torch.full((4,), 6.0))
 
 
+@simulator_only
 def test_capture_rules():
     x = torch.ones(4, device=DEVICE)
     outside = sim.Event()
@@ -429,7 +452,7 @@ def test_kernels_the_cpu_lacks_compute_as_cuda_does():
                     (nn.ConvTranspose2d(3, 2, 2), torch.randn(1, 3, 4, 4))):
         conv.requires_grad_(False)
         got = copy.deepcopy(conv).to(DEVICE)(x.to(DEVICE))
-        assert got.device.type == "sim"
+        assert got.device == torch.device(DEVICE)
         torch.testing.assert_close(got.cpu(), conv(x))
     ids = torch.tensor([0, 3, 3, 1, 7, 3], dtype=torch.int32)
     counts = torch.histc(ids.to(DEVICE), bins=8, min=0, max=7)
