@@ -48,7 +48,10 @@ warning asks subclasses for it): torch calls it, we call nothing, and without it
    (`_ConfigRecordOfFunctions`). Test: ``test_private_config_flags_do_what_captures_rely_on``.
 7. Guard-filter entries' ``orig_guard.originating_source`` and the sources' ``base`` chain: `guards_only_on`
    keeps one guard per host master (the ``guard_filter_fn`` option is public; what an entry was
-   reached through is not: the public ``name`` is a string to parse).
+   reached through is not: the public ``name`` is a string to parse). Torch 2.11 and 2.12 get no filter
+   (`guards_only_on` returns None): their dynamo reads each guarded source once more to make the filter's
+   entries, and a property that returns a new object per read (transformers' ``config.per_layer_config``)
+   then fails an assertion, with any filter at all; every guard stays (more checks per call, the same graphs).
    Test: ``test_guard_entries_name_their_source_chain``.
 8. Inductor (``torch._inductor``): ``compile_fx.compile_fx`` (inductor on a graph our backend rewrote; the
    public entry, ``torch.compile``, would trace it again with dynamo and guard every call), and the lowering of
@@ -451,7 +454,10 @@ logging.getLogger("torch._dynamo.metrics_context").addFilter(_ConfigRecordOfFunc
 
 # ---- 7. guard-filter entries' source chain ------------------------------------------------------------------
 
-def guards_only_on(kinds: dict[type, str]) -> Callable[[list], list[bool]]:
+GUARD_FILTERS_READ_SOURCES_ONCE = torch.__version__ >= "2.13"  # see touch point 7
+
+
+def guards_only_on(kinds: dict[type, str]) -> Callable[[list], list[bool]] | None:
     """A ``guard_filter_fn`` (``torch.compile(..., options={"guard_filter_fn": ...})``) that keeps, of the guards
     dynamo installs on an object of a type in ``kinds`` and on what it reached through one, only the object's
     guard of the kind named there:
@@ -465,7 +471,9 @@ def guards_only_on(kinds: dict[type, str]) -> Callable[[list], list[bool]]:
     A few C++ checks per object, instead of a dozen and Python lambdas.
 
     Private surface: the entries' ``orig_guard.originating_source`` and the sources' ``base`` chain
-    (``ChainedSource``)."""
+    (``ChainedSource``). None where the installed torch cannot take a filter safely (touch point 7)."""
+    if not GUARD_FILTERS_READ_SOURCES_ONCE:
+        return None
     def keep(entries: list) -> list[bool]:
         held = {e.orig_guard.originating_source: kinds[type(e.value)] for e in entries
                 if e.has_value and type(e.value) in kinds}

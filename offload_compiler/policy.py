@@ -24,6 +24,10 @@ GIB = 1 << 30
 KNOWN = IMPLEMENTED_STRATEGIES + PLANNER_STRATEGIES
 DISK_STRATEGIES = ("layerwise", "budget", "sequential", "auto")
 
+# Torch 2.11 and 2.12 trace a nested compile region with operands that must be plain fake tensors, so a block's
+# offloaded weights (host masters, a tensor subclass) cannot enter one; 2.13 takes them.
+REGIONS_TAKE_OFFLOADED_WEIGHTS = torch.__version__ >= "2.13"
+
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,6 +180,10 @@ class OffloadPolicy:
                      "prefetch_next_call"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.regional and not REGIONS_TAKE_OFFLOADED_WEIGHTS:
+            raise ValueError(f"regional=True needs torch >= 2.13: torch {torch.__version__} cannot pass a block's "
+                             f"offloaded weights into a nested compile region. Use regional=False (each block is "
+                             f"traced inline, a longer first capture, the same streaming), or upgrade torch")
         if not self.keep_after_use and strategy not in COMPONENT_STRATEGIES:
             raise ValueError(f"keep_after_use=False applies to strategy 'alternating' or 'model' (a component stays on "
                              f"the device after its forward); strategy={strategy!r} already evicts each group after "

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # declared but not pinned in constraints-floor.txt, and why
 NOT_PINNED = {
-    "torch": "installed on its own first (a looser requirement pulls a CUDA build); CI runs 2.13.0 and 2.14.1",
+    "torch": ("installed on its own first (a looser requirement pulls a CUDA build); CI runs 2.13.0, 2.14.1 and "
+              "the floor 2.11.0"),
     "optimum-quanto": "the quant extra: CI does not install it, and its test skips without it",
 }
 

@@ -138,7 +138,7 @@ class _OffloadedForward:
         (`_torch_private.capture_config`) are in force while it compiles, not while it runs."""
         self._compiled = compile_under_config(own_frame(self.forward), backend=RuntimeBackend(runtime),
                                               fullgraph=runtime.policy.fullgraph,
-                                              options={"guard_filter_fn": _PART_GUARDS})  # popped by torch
+                                              options=_PART_GUARD_OPTIONS)
         return self._compiled
 
     def _run(self, compiled: Any, args: tuple, kwargs: dict) -> Any:
@@ -332,6 +332,7 @@ def part_forward(module: nn.Module, state: OffloadState) -> "_OffloadedForward":
 
 
 _PART_GUARDS = guards_only_on({HostMaster: "TENSOR_MATCH"})  # see there: by tensor metadata
+_PART_GUARD_OPTIONS = {"guard_filter_fn": _PART_GUARDS} if _PART_GUARDS is not None else {}  # torch pops the key
 
 
 class _QuietOwnErrors(logging.Filter):

@@ -24,7 +24,7 @@ from torch import nn
 from .._tree import tensors_of, to_device
 from ..api import offload_compile, offload_stats
 from ..offloaded import state_of
-from ..policy import OffloadPolicy
+from ..policy import REGIONS_TAKE_OFFLOADED_WEIGHTS, OffloadPolicy
 from ..runtime import OffloadStats
 from .simulated import OrderingViolation, simulated_device  # noqa: F401 (public: the simulated accelerator)
 
@@ -132,7 +132,8 @@ if st is not None:
     def policies(strategies: Sequence[str] = GENERIC_STRATEGIES, devices: Sequence[str] = ("cpu",),
                  compilers: Sequence[str] = ("eager",), max_prefetch: int = 3) -> "st.SearchStrategy[OffloadPolicy]":
         """Valid policies; ``budget`` draws offload_gb from nothing to more than a small model holds; ``auto``
-        plans within the free device memory; ``regional`` on or off. The default strategies apply to any model;
+        plans within the free device memory; ``regional`` on or off (off only, on a torch that has no regions
+        over offloaded weights). The default strategies apply to any model;
         the component strategies need named components."""
         def build(strategy, device, compiler, prefetch, per_group, budget_kib, wrap, regional):
             return OffloadPolicy(strategy=strategy, device=device, compiler=compiler, prefetch=prefetch,
@@ -142,7 +143,8 @@ if st is not None:
                                  prefetch_next_call=wrap and prefetch > 0, regional=regional)
         return st.builds(build, st.sampled_from(list(strategies)), st.sampled_from(list(devices)),
                          st.sampled_from(list(compilers)), st.integers(0, max_prefetch), st.integers(1, 2),
-                         st.integers(0, 64), st.booleans(), st.booleans())
+                         st.integers(0, 64), st.booleans(),
+                         st.booleans() if REGIONS_TAKE_OFFLOADED_WEIGHTS else st.just(False))
 
 
 # -- the checks -----------------------------------------------------------------------------------------
