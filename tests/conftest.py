@@ -5,13 +5,16 @@ import tempfile
 # inductor's FX-graph cache does not key on custom-op tags; keep each run's compiled code to itself
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="offload_compiler_inductor_"))
 
-# Under pytest-xdist (`-n 2`, see pyproject.toml) each worker gets one core's worth of work: one intra-op thread
-# and inductor compiling in-process, so that two workers do not oversubscribe a 2-core machine (idle spinning
-# OpenMP threads and a pool of compile subprocesses per worker). Set before torch (and inductor's config) load.
+# One intra-op thread in every test process, and in the subprocesses tests start (examples, ranks): the tests
+# compare eager CPU outputs with the plain model's bit for bit, and torch's multi-threaded CPU kernels do not
+# promise the same bits from run to run (at six threads a plain Llama's logits differed from its own by 4e-5 between two calls);
+# the timing checks want steady timings too. Under pytest-xdist (`-n 2`, see pyproject.toml) each worker also
+# compiles in-process, so that two workers do not oversubscribe a 2-core machine (a pool of compile
+# subprocesses per worker). Set before torch (and inductor's config) load.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # and the subprocesses some tests start (examples, ranks)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -23,8 +26,7 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
-if XDIST_WORKER:
-    torch.set_num_threads(1)
+torch.set_num_threads(1)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -282,20 +282,10 @@ def _first_plan_ratio(name: str) -> float:
     return plan.predicted_s / plan.measured_median_s
 
 
-@pytest.fixture
-def one_thread():
-    """CPU time on a loaded machine: two intra-op threads beside other processes stall on each other (a call
-    of the tiny Llama took 3 ms, then 400 ms); one thread keeps the timings steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow  # four models, each planned and timed over six calls, up to three times
 @pytest.mark.trial  # timings: run where no second test process shares the cores
 @pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "dit"])
-def test_the_prediction_counts_host_overheads(name, one_thread):
+def test_the_prediction_counts_host_overheads(name):
     """The host overheads (per op, per fetch, per call), measured once per device and compiler on a probe model
     (`planning/calibrate.py`), are part of every prediction. Without them the first plan was predicted 4-14x
     too fast (0.07-0.26 of the measured time); with them it lands within 30% on an idle machine, which is
@@ -312,7 +302,7 @@ def test_the_prediction_counts_host_overheads(name, one_thread):
     assert 1 / 3 <= ratios[-1] <= 3, ratios
 
 
-def test_refine_rates_leaves_the_measured_overheads_alone(one_thread):
+def test_refine_rates_leaves_the_measured_overheads_alone():
     """refine_rates rescales only the work (FLOPs, bytes): call, dispatch and inline transfers are taken out
     first, so a measurement equal to the prediction leaves the scale at 1."""
     from offload_compiler.planning.auto import refine_rates

@@ -14,6 +14,7 @@ random block models, and `assert_offload_equivalent`, which checks outputs *and*
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Sequence
@@ -201,6 +202,19 @@ def assert_traffic_matches_plan(offloaded: Any, resident_filled: bool = False) -
     return stats
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """Run the block at one intra-op thread, the setting restored after. Bit-for-bit comparisons on the CPU
+    need it: torch's multi-threaded CPU kernels (MKL's GEMM among them) do not promise the same bits from run
+    to run, so with many threads a plain model can differ from itself by ~1e-5 between two calls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @dataclasses.dataclass(frozen=True)
 class EquivalenceReport:
     max_abs_diff: float
@@ -227,15 +241,18 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
     # N-d input takes another path (other rounding) for a weight that does, even under no_grad: the reference
     # computes with weights that do not either (diffusers' UNet3D differs by 6e-7 otherwise)
     plain = copy.deepcopy(model).to(device).eval().requires_grad_(False)
-    with torch.no_grad():
+    exact = policy.compiler == "eager" and device.type == "cpu" and atol is None
+    # bit for bit only where the kernels are reproducible themselves (`one_intra_op_thread`)
+    threads = one_intra_op_thread if exact else contextlib.nullcontext
+    with torch.no_grad(), threads():
         expected = tensors_of(plain(*to_device(args, device), **to_device(kwargs, device)))
     offloaded = offload_compile(copy.deepcopy(model).eval(), policy)
-    exact = policy.compiler == "eager" and device.type == "cpu" and atol is None
     atol = 1e-5 if atol is None else atol
     rtol = 1e-4 if rtol is None else rtol
     worst = 0.0
     for _ in range(calls):
-        got = tensors_of(offloaded(*to_device(args, device), **to_device(kwargs, device)))
+        with threads():
+            got = tensors_of(offloaded(*to_device(args, device), **to_device(kwargs, device)))
         assert len(got) == len(expected), f"offloaded model returned {len(got)} tensors, plain {len(expected)}"
         for i, (g, e) in enumerate(zip(got, expected)):
             assert g.shape == e.shape and g.dtype == e.dtype, f"output {i}: {g.shape}/{g.dtype} vs {e.shape}/{e.dtype}"
