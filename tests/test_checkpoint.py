@@ -294,6 +294,7 @@ def test_a_pipeline_folder_missing_a_component_is_refused_before_any_is_read(tmp
     assert all(p.is_meta for p in pipe.text_encoder.parameters())  # nothing read
 
 
+@pytest.mark.slow  # a fresh process over a 168 MB checkpoint (the loading test above keeps the area in the fast subset)
 @pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/status")
 def test_a_model_over_its_checkpoints_mapping_is_packed_without_holding_it_twice(tmp_path):
     """A model whose weights view a mapping of its safetensors file (as ``from_pretrained`` loads one): packing
