@@ -13,6 +13,7 @@ import logging
 import torch
 
 from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_groups, offload_stats
+from offload_compiler.testing import one_intra_op_thread
 from offload_compiler.testing.omni_models import omni_full_with_inputs, omni_thinker, run_stages
 
 
@@ -20,6 +21,9 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
+# one intra-op thread: the outputs are compared with the plain model's bit for bit, and torch's
+# multi-threaded CPU kernels do not promise the same bits from run to run (see `one_intra_op_thread`)
+@one_intra_op_thread()
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug-poison", action="store_true",

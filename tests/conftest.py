@@ -11,7 +11,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="offloa
 # the timing checks want steady timings too. Under pytest-xdist (`-n 2`, see pyproject.toml) each worker also
 # compiles in-process, so that two workers do not oversubscribe a 2-core machine (a pool of compile
 # subprocesses per worker). Set before torch (and inductor's config) load.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = "1"
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
