@@ -20,9 +20,7 @@ from offload_compiler.testing import one_intra_op_thread
 from offload_compiler.testing.pipelines import sd3_pipeline
 
 
-# one intra-op thread: the outputs are compared with the plain model's bit for bit, and torch's
-# multi-threaded CPU kernels do not promise the same bits from run to run (see `one_intra_op_thread`)
-@one_intra_op_thread()
+@one_intra_op_thread()  # the outputs are compared bit for bit (why one thread: its docstring)
 def main() -> None:
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     device = "cuda" if torch.cuda.is_available() else "cpu"

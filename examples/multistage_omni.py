@@ -21,9 +21,7 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
-# one intra-op thread: the outputs are compared with the plain model's bit for bit, and torch's
-# multi-threaded CPU kernels do not promise the same bits from run to run (see `one_intra_op_thread`)
-@one_intra_op_thread()
+@one_intra_op_thread()  # the outputs are compared bit for bit (why one thread: its docstring)
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug-poison", action="store_true",

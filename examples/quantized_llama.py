@@ -45,9 +45,7 @@ def bytes_per_call(kind: str, args) -> tuple[int, int, bool]:
     return moved, weights, exact
 
 
-# one intra-op thread: the outputs are compared with the plain model's bit for bit, and torch's
-# multi-threaded CPU kernels do not promise the same bits from run to run (see `one_intra_op_thread`)
-@one_intra_op_thread()
+@one_intra_op_thread()  # the outputs are compared bit for bit (why one thread: its docstring)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=3)
