@@ -218,7 +218,10 @@ def runtime_plan_dict(runtime: OffloadRuntime) -> dict[str, Any]:
                "resident" if g.nbytes else "empty"} for g in runtime.groups]
     graphs = [{"nodes": plan.num_nodes, "fetches_per_call": plan.verified.fetches,
                "predicted_peak_bytes": plan.verified.peak_bytes, "resident_bytes": plan.verified.resident_bytes,
-               "streamed_peak_bytes": plan.verified.streamed_peak_bytes, "carried_bytes": plan.verified.carried_bytes}
+               "streamed_peak_bytes": plan.verified.streamed_peak_bytes, "carried_bytes": plan.verified.carried_bytes,
+               "routed_fetches_per_call": plan.verified.routed_fetches,
+               "routed": [{"weight": runtime.groups[r.group].slots[r.slot].name, "group": r.group, "rows": r.experts,
+                           "at_most": r.bound, "row_bytes": r.expert_bytes} for r in plan.routed]}
               for plan in runtime.graph_plans]
     peak = device_weight_peak(runtime)
     total = runtime.total_bytes + runtime.unmanaged_bytes

@@ -90,8 +90,9 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     """The pure part: a captured graph and its runtime's layout → the rewritten, verified graph."""
     weights = weight_inputs(gm, example_inputs, runtime.group_of)
     streamed = {g.index for g in runtime.groups if g.streamed}
-    # expert groups this graph reads only by router indices: their reads become routed fetches, outside the schedule
-    routed = routed_reads(weights, streamed, set(runtime.expert_groups)) if runtime.expert_groups else {}
+    # groups this graph reads only by indices (a table's lookup, routed experts): their reads become routed
+    # fetches of the rows named, outside the schedule
+    routed = routed_reads(weights, streamed)
     if routed:
         gm, weights = route_reads(gm, weights, routed, runtime.id)
     uses, reads = collect_uses(gm, weights, streamed)

@@ -97,44 +97,46 @@ _define("resident(int runtime, int group) -> Tensor[]", resident, _fake_buffers)
 _define("transfer(int runtime, int plan, Tensor[] deps) -> Tensor[]", transfer, _fake_leaves)
 
 
-def routed(runtime: int, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int) -> torch.Tensor:
-    """``weight[ids]`` for an expert weight read by router indices (`passes.routed`): only the experts ``ids``
-    names are copied, into a fixed slot of ``bound`` experts, and gathered from there. A fresh tensor, as the
-    index it replaces made: nothing reads the slot after the op returns."""
+def routed(runtime: int, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int,
+           deps: list[torch.Tensor]) -> torch.Tensor:
+    """``weight[ids]`` for a weight read by indices (`passes.routed`: router indices, a table's lookup): only the
+    rows ``ids`` names are copied, into a fixed slot of ``bound`` rows, and gathered from there. A fresh tensor, as the
+    index it replaces made: nothing reads the slot after the op returns. ``deps``: what must run first (under
+    inductor, the evicts before it in the verified graph: `passes.fuse`), read by nothing."""
     return runtime_by_id(runtime).routed(group, slot, ids, bound, expert_bytes)
 
 
-def _fake_routed(runtime: int, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int
-                 ) -> torch.Tensor:
+def _fake_routed(runtime: int, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int,
+                 deps: list[torch.Tensor]) -> torch.Tensor:
     rt = runtime_by_id(runtime)
     leaf = rt.groups[group].slots[slot].leaves[0]
     dtype = rt.groups[group].buckets[leaf.bucket].dtype
-    return ids.new_empty((ids.shape[0], *leaf.shape[1:]), dtype=dtype, device=rt.device)
+    return ids.new_empty((*ids.shape, *leaf.shape[1:]), dtype=dtype, device=rt.device)
 
 
-_define("routed(int runtime, int group, int slot, Tensor ids, int bound, int expert_bytes) -> Tensor", routed,
-        _fake_routed)
+_define("routed(int runtime, int group, int slot, Tensor ids, int bound, int expert_bytes, Tensor[] deps) -> Tensor",
+        routed, _fake_routed)
 
 
-def routed_grouped(runtime: int, group: int, slot: int, offs: torch.Tensor, bound: int, expert_bytes: int
-                   ) -> list[torch.Tensor]:
+def routed_grouped(runtime: int, group: int, slot: int, offs: torch.Tensor, bound: int, expert_bytes: int,
+                   deps: list[torch.Tensor]) -> list[torch.Tensor]:
     """An expert weight read as a grouped product's operand with offsets (transformers' ``grouped_mm``
     experts, `passes.routed`): only the experts with tokens are copied, into ``bound`` rows, and returned
     with the offsets remapped to them (``[weight, offsets]``; the rows past the experts named hold no tokens).
-    Fresh tensors, as for `routed`."""
+    Fresh tensors, as for `routed`; ``deps`` as there."""
     return runtime_by_id(runtime).routed_grouped(group, slot, offs, bound, expert_bytes)
 
 
-def _fake_routed_grouped(runtime: int, group: int, slot: int, offs: torch.Tensor, bound: int, expert_bytes: int
-                         ) -> list[torch.Tensor]:
+def _fake_routed_grouped(runtime: int, group: int, slot: int, offs: torch.Tensor, bound: int, expert_bytes: int,
+                         deps: list[torch.Tensor]) -> list[torch.Tensor]:
     rt = runtime_by_id(runtime)
     leaf = rt.groups[group].slots[slot].leaves[0]
     dtype = rt.groups[group].buckets[leaf.bucket].dtype
     return [offs.new_empty((bound, *leaf.shape[1:]), dtype=dtype, device=rt.device), offs.new_empty((bound,))]
 
 
-_define("routed_grouped(int runtime, int group, int slot, Tensor offs, int bound, int expert_bytes) -> Tensor[]",
-        routed_grouped, _fake_routed_grouped)
+_define("routed_grouped(int runtime, int group, int slot, Tensor offs, int bound, int expert_bytes, Tensor[] deps) "
+        "-> Tensor[]", routed_grouped, _fake_routed_grouped)
 
 
 def materialize(value: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,9 @@ def test_architecture_offloads(name, label):
         kwargs = dict(kwargs, output_hidden_states=True)  # (under another class name a BertModel returned none)
     tol = TOLERANT.get(name)
     report = assert_offload_equivalent(model, policy, atol=tol, rtol=tol, **kwargs)
-    assert report.streamed_bytes > 0 and report.bytes_transferred >= 2 * report.streamed_bytes
+    # every streamed weight moved each call: whole, or (a token embedding's table) the rows looked up
+    assert report.streamed_bytes > 0
+    assert report.bytes_transferred >= 2 * (report.streamed_bytes - report.routed_group_bytes)
     if tol is not None:
         assert report.max_abs_diff <= tol
 
@@ -151,7 +153,10 @@ def test_generate_runs_offloaded(name):
     runtime = m._offload_runtime
     streamed = {g.name for g in runtime.groups}
     fetched = {runtime.groups[i.group].name for p in runtime.graph_plans for i in p.schedule.instances}
-    assert fetched == streamed  # every group went through a graph: t5's encoder too, which generate calls alone
+    looked_up = {runtime.groups[r.group].name for p in runtime.graph_plans for r in p.routed}
+    # every group went through a graph (t5's encoder too, which generate calls alone): fetched whole, or (a token
+    # embedding at decode) the rows looked up
+    assert fetched | looked_up == streamed
     assert offload_stats(m).bytes_transferred >= 2 * sum(g.nbytes for g in runtime.groups if "decoder" in g.name)
 
 

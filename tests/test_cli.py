@@ -32,7 +32,10 @@ def test_json_gives_the_plan_of_a_fixed_strategy_as_data(capsys):
     assert [g["name"] for g in plan["groups"]][:3] == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert all(g["bytes"] > 0 and g["residency"] in ("streamed", "resident") for g in plan["groups"][:3])
     (graph,) = plan["graphs"]
-    assert graph["fetches_per_call"] == len(plan["groups"])
+    # every group once per call: whole, or the token embedding's rows looked up
+    assert graph["fetches_per_call"] + graph["routed_fetches_per_call"] == len(plan["groups"])
+    (table,) = graph["routed"]
+    assert table["weight"] == "model.embed_tokens.weight" and 0 < table["at_most"] < table["rows"]
     assert 0 < graph["predicted_peak_bytes"] <= plan["total_bytes"]
     saving = plan["saving"]  # the device weight peak as a share of the model, from the verified plan
     assert saving["verified"] and saving["device_weight_peak_bytes"] == graph["predicted_peak_bytes"]

@@ -438,8 +438,12 @@ def test_the_omni_stages_alternate_on_the_device():
     stats = offload_stats(m)
     components = {g.name: g.nbytes for g in m._offload_runtime.groups if g.streamed}
     assert set(components) == {"thinker", "talker", "token2wav"}
-    assert (stats.fetch_count, stats.bytes_transferred) == (3, sum(components.values()))
-    assert stats.peak_resident_bytes == max(components.values()) + stats.total_bytes - sum(components.values())
+    assert (stats.fetch_count, stats.bytes_transferred - stats.routed_bytes) == (3, sum(components.values()))
+    # the thinker's token embedding called alone between the stages moves the rows it looks up, not the thinker
+    assert stats.routed_fetches > 0 and stats.routed_bytes < 1024
+    # one component at a time, and (the lookup above) the slot of the rows looked up beside it
+    largest = max(components.values()) + stats.total_bytes - sum(components.values())
+    assert largest <= stats.peak_resident_bytes <= largest + stats.routed_bytes
     assert stats.live_device_bytes <= max(components.values())
 
 

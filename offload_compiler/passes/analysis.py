@@ -16,6 +16,9 @@ from ..host_masters import host_of
 from ..subclasses import is_traceable_subclass, plain_leaves
 from .schedule import Use
 
+# the routed ops (`passes.routed`), by name: passes do not import `ops`
+ROUTED_OPS = ("offload_compiler::routed", "offload_compiler::routed_grouped")
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightInput:
@@ -79,8 +82,12 @@ def _is_inplace(node: fx.Node) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
 
 
-def _is_offload_op(node: fx.Node) -> bool:
-    return isinstance(node.target, OpOverload) and node.target.namespace == "offload_compiler"
+def _is_transfer_op(node: fx.Node) -> bool:
+    """One of our transfer ops: its tensor arguments are dependencies (what it must follow), not data it reads.
+    The routed ops are not: they read their indices (a lookup's may be a view of a weight, a position table's
+    ``position_ids`` buffer), which must stay fetched until they run."""
+    return (isinstance(node.target, OpOverload) and node.target.namespace == "offload_compiler"
+            and node.target.name() not in ROUTED_OPS)
 
 
 _RETURNS_ITS_INPUT = {
@@ -137,7 +144,7 @@ def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
         if node.op == "output":
             unordered = True
             continue
-        if _is_offload_op(node):  # (re-derived on the rewritten graph) an evict's or a transfer's dependency
+        if _is_transfer_op(node):  # (re-derived on the rewritten graph) an evict's or a transfer's dependency
             continue
         if _is_inplace(node) and node.args and isinstance(node.args[0], fx.Node) and _aliases(
                 _value(node.args[0]), storages):
@@ -191,24 +198,26 @@ def collect_uses(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], stream
 
 @dataclasses.dataclass(frozen=True)
 class RoutedRead:
-    """A read of an expert weight by router indices: ``w[ids]`` (transformers' ``batched_mm`` experts), or
+    """A read of a weight by indices: rows of a table looked up (``F.embedding(ids, w)``: a token embedding needs
+    the rows of the tokens in the call, not the vocabulary), ``w[ids]`` (transformers' ``batched_mm`` experts), or
     ``grouped_mm(x, view(w), offs=offs)`` (its ``grouped_mm`` experts: tokens sorted by expert, ``offs`` the
-    cumulative token count per expert). The graph needs only the experts named (``ids``, or those with tokens
-    in ``offs``), at most ``bound`` of the weight's ``experts`` (the index's element count, or the grouped
-    product's rows, fixed by the graph's shapes, capped at the expert count)."""
-    node: fx.Node  # the ``w[ids]`` getitem, or the grouped product
+    cumulative token count per expert). The graph needs only the rows named (``ids``, or the experts with tokens
+    in ``offs``), at most ``bound`` of the weight's ``experts`` rows along its first dimension (the index's element
+    count, or the grouped product's rows, fixed by the graph's shapes, capped at the row count). "Expert" names a
+    row of the first dimension: an expert's matrix, or one token's embedding."""
+    node: fx.Node  # the ``w[ids]`` getitem, the ``F.embedding`` lookup, or the grouped product
     ids: fx.Node  # the router index, or the offsets
     group: int
     slot: int
     name: str
     experts: int
     bound: int
-    expert_bytes: int  # one expert's bytes of this weight
+    expert_bytes: int  # one expert's (row's) bytes of this weight
     views: tuple[fx.Node, ...] = ()  # grouped: the views from the weight to the product's operand (a transpose)
 
     @property
     def grouped(self) -> bool:
-        return self.node.target is not operator.getitem
+        return _is_grouped_mm(self.node)
 
     @property
     def bound_bytes(self) -> int:
@@ -227,6 +236,19 @@ def _router_index(node: fx.Node, placeholder: fx.Node) -> fx.Node | None:
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32):
         return None
     return index
+
+
+def _lookup_index(node: fx.Node, placeholder: fx.Node) -> fx.Node | None:
+    """The indices of ``F.embedding(ids, w)`` when ``node`` is one with the weight as its table: rows looked up by
+    an integer tensor of any shape. Not with ``max_norm``: that renormalizes the rows it reads, in place."""
+    if node.op != "call_function" or node.target is not torch.nn.functional.embedding:
+        return None
+    args = {**dict(zip(("input", "weight", "padding_idx", "max_norm"), node.args)), **node.kwargs}
+    ids = args.get("input")
+    if args.get("weight") is not placeholder or args.get("max_norm") is not None or not isinstance(ids, fx.Node):
+        return None
+    value = _value(ids)
+    return ids if isinstance(value, torch.Tensor) and value.dtype in (torch.int64, torch.int32) else None
 
 
 def _is_grouped_mm(node: fx.Node) -> bool:
@@ -275,17 +297,16 @@ def _grouped_read(user: fx.Node, placeholder: fx.Node, experts: int
     return node, offs, tuple(views), rows.shape[0]
 
 
-def routed_reads(weights: dict[fx.Node, WeightInput], streamed: set[int], routable: set[int]
-                 ) -> dict[int, list[RoutedRead]]:
-    """The streamed groups of ``routable`` (groups of expert weights) that this graph reads only through
-    router indices (``w[ids]``, or as a grouped product's operand with offsets), with a bound below their
-    expert count: group -> its reads. A group read whole anywhere (the ``eager`` experts, an index of symbolic
-    size) or whose bound is all its experts (prefill: tokens x top_k >= E) is left out: it is fetched whole,
-    as any group."""
+def routed_reads(weights: dict[fx.Node, WeightInput], streamed: set[int]) -> dict[int, list[RoutedRead]]:
+    """The streamed groups that this graph reads only by indices (a table's lookup, ``w[ids]``, an expert weight
+    as a grouped product's operand with offsets), with a bound below their row count: group -> its reads. A group
+    read whole anywhere (a layer's matmuls, the ``eager`` experts, an embedding tied to the output projection, an
+    index of symbolic size) or whose bound is all its rows (prefill: tokens x top_k >= E) is left out: it is
+    fetched whole, as any group."""
     found: dict[int, list[RoutedRead]] = {}
     whole: set[int] = set()
     for placeholder, w in weights.items():
-        if w.group not in streamed or w.group not in routable:
+        if w.group not in streamed or w.group in whole:
             continue
         value = _value(placeholder)
         users = list(placeholder.users)
@@ -295,9 +316,11 @@ def routed_reads(weights: dict[fx.Node, WeightInput], streamed: set[int], routab
         experts = value.shape[0]
         for user in users:
             ids = _router_index(user, placeholder)
+            if ids is None:
+                ids = _lookup_index(user, placeholder)
             read, views = user, ()
             if ids is not None:
-                numel = _value(ids).shape[0]
+                numel = _value(ids).numel()
             else:  # grouped_mm: at most one expert per row of the product has tokens
                 grouped = _grouped_read(user, placeholder, experts)
                 read, ids, views, numel = grouped if grouped is not None else (user, None, (), None)

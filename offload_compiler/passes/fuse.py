@@ -14,7 +14,9 @@ weight per call. After the graph was verified and its slots planned:
 
 Nothing runs in another order than the verified graph says, except that an evict moves later, past compute
 that reads no offloaded weight, to the wait after it; no copy is made in between (copies start only at
-prefetches and waits), so the device slots and the ledger's peak are those planned. The fused op depends on
+prefetches and waits), so the device slots and the ledger's peak are those planned. A routed op copies rows where
+it stands, so it is ordered like a transfer: the evicts and prefetches before it stay ops of their own, which it
+depends on, and the transfers and prefetches after it depend on it. The fused op depends on
 everything its parts depended on; a later op that depended on a fused part depends on the fused op.
 """
 
@@ -28,6 +30,7 @@ import torch.fx as fx
 
 from .nodes import (Evict, Prefetch, Resident, Transfer, Wait, item_source, leaf_positions, leaf_views, set_argument,
                     transfer_view)
+from .routed import ROUTED_DEPS, routed_view
 
 OPS = torch.ops.offload_compiler
 EVICT, PREFETCH = 0, 1  # a step: (kind, group, a, b) with (poison, park) for an evict and (key, mode) for a prefetch
@@ -55,11 +58,21 @@ def fuse_transfers(gm: fx.GraphModule, plan: PlanTransfer, layout: dict[int, lis
     says. ``layout``: group → per weight, its leaves (`OffloadRuntime.layout`)."""
     graph = gm.graph
     pending: list[fx.Node] = []  # evicts and prefetches since the last op that cannot take them
+    routed: list[fx.Node] = []  # routed ops since the last transfer op
     previous: fx.Node | None = None
     for node in list(graph.nodes):
         view = transfer_view(node)
         if isinstance(view, (Evict, Prefetch)):
+            if isinstance(view, Prefetch) and routed:  # (one left an op of its own at the end: after them too)
+                set_argument(node, "deps", [*view.deps, *routed])
             pending.append(node)
+        elif routed_view(node) is not None:
+            # a routed op holds its slot of rows where it stands: what came before it (the previous transfer, the
+            # evicts and prefetches since, their own ops then, and the routed ops since) runs before it, and the
+            # next transfer after it
+            node.update_arg(ROUTED_DEPS, [d for d in [previous, *pending, *routed] if d is not None])
+            pending = []
+            routed.append(_tensor_of(node))
         elif isinstance(view, Resident):
             with graph.inserting_before(node):
                 transfer = graph.call_function(OPS.transfer.default, (view.runtime, plan((), None, view.group), []))
@@ -67,8 +80,9 @@ def fuse_transfers(gm: fx.GraphModule, plan: PlanTransfer, layout: dict[int, lis
         elif isinstance(view, Wait):
             # the parts are decoded when fused, as their args are then: each fusion rewrites what read the
             # nodes it fused
-            previous = _fuse(graph, [transfer_view(part) for part in pending], view, previous, plan, layout)
-            pending = []
+            previous = _fuse(graph, [transfer_view(part) for part in pending], view, [previous, *routed], plan,
+                             layout)
+            pending, routed = [], []
     _drop_slot_outputs(graph, num_outputs)
     _drop_implied_deps(graph)
     graph.lint()
@@ -76,12 +90,13 @@ def fuse_transfers(gm: fx.GraphModule, plan: PlanTransfer, layout: dict[int, lis
     return gm
 
 
-def _fuse(graph: fx.Graph, parts: list[Evict | Prefetch], wait: Wait, previous: fx.Node | None,
+def _fuse(graph: fx.Graph, parts: list[Evict | Prefetch], wait: Wait, after: list[fx.Node | None],
           plan: PlanTransfer, layout: dict[int, list]) -> fx.Node:
+    """``after``: the previous fused op (None for the first), and the routed ops since it: the new op runs after
+    them, even with no evict between."""
     fused = {part.node for part in parts} | {wait.node}
     deps = [d for part in [*parts, wait] for d in _deps(part) if d not in fused]
-    if previous is not None:  # in order after the previous fused op, even with no evict between them
-        deps.append(previous)
+    deps += [node for node in after if node is not None]
     deps = list(dict.fromkeys(deps))
     steps = tuple(_step(part) for part in parts)
     with graph.inserting_before(wait.node):
@@ -94,6 +109,13 @@ def _fuse(graph: fx.Graph, parts: list[Evict | Prefetch], wait: Wait, previous: 
     for part in reversed(parts):
         graph.erase_node(part.node)
     return first
+
+
+def _tensor_of(node: fx.Node) -> fx.Node:
+    """A tensor ``node`` made, to depend on it: itself, or its first item (``routed_grouped`` returns a list)."""
+    if node.target.name() == "offload_compiler::routed_grouped":
+        return next(user for user in node.users if user.target is operator.getitem and user.args[1] == 0)
+    return node
 
 
 def _read_leaves(fetched: fx.Node, transfer: fx.Node, index: dict[tuple, int]) -> fx.Node:
@@ -119,24 +141,40 @@ def _drop_implied_deps(graph: fx.Graph) -> None:
     """A transfer's deps keep only those no other of its deps depends on: inductor runs a kernel after
     everything its inputs were computed from, and every dep is a buffer of its own (an extern reader's result,
     a value `ops.materialize` copies, a leaf), so the dropped ones still run before the transfer. A leaf of an
-    earlier transfer that another dep depends on is implied too: all its leaves are ready together. A Llama layer's
+    earlier op that another dep depends on (through any of that op's results) is implied too: all its results are
+    ready together; two items of one op imply each other that way, so the first of them stays. A Llama layer's
     transfer waits for one value instead of ten, and the readers between are freed as early as without offloading.
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
     for transfer in [view for view in map(transfer_view, graph.nodes) if isinstance(view, Transfer)]:
-        deps = transfer.deps
+        deps = list(dict.fromkeys(transfer.deps))
         if len(deps) < 2:
             continue
         earliest = min(order[d] for d in deps)
-        implied: set[fx.Node] = set()
-        stack = [a for d in deps for a in d.all_input_nodes]
-        while stack:
-            node = stack.pop()
-            if node not in implied:
-                implied.add(node)
-                if order[node] > earliest:  # nothing earlier than the earliest dep can be one
-                    stack.extend(node.all_input_nodes)
-        set_argument(transfer.node, "deps", [d for d in deps if d not in implied and item_source(d) not in implied])
+        above = {d: _ancestors(d, earliest, order) for d in deps}  # what each dep was computed from
+        kept: list[fx.Node] = []
+        for d in deps:
+            source = item_source(d)
+            if any(d in above[other] or (source is not None and source in above[other]
+                                         and item_source(other) is not source) for other in deps if other is not d):
+                continue  # another dep was computed from it (or from the op it is an item of)
+            if source is not None and any(item_source(k) is source for k in kept):
+                continue  # another item of the same op is kept: they are ready together
+            kept.append(d)
+        set_argument(transfer.node, "deps", kept)
+
+
+def _ancestors(node: fx.Node, earliest: int, order: dict[fx.Node, int]) -> set[fx.Node]:
+    """The nodes ``node`` was computed from, down to position ``earliest`` (nothing earlier can be a dep)."""
+    found: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            if order[current] > earliest:
+                stack.extend(current.all_input_nodes)
+    return found
 
 
 def _drop_slot_outputs(graph: fx.Graph, num_outputs: int) -> None:

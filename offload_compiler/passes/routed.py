@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .._torch_private import OpOverload
-from .analysis import RoutedRead, WeightInput, _value
+from .analysis import ROUTED_OPS, RoutedRead, WeightInput, _value
 
 OPS = torch.ops.offload_compiler
 
@@ -40,7 +40,7 @@ def route_reads(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], routed:
             old = env[r.node]
             with graph.inserting_before(old):
                 new = graph.call_function(OPS.routed.default, (runtime_id, r.group, r.slot, env[r.ids], r.bound,
-                                                               r.expert_bytes))
+                                                               r.expert_bytes, []))
             new.meta.update(old.meta)
             new.meta["offload_routed"] = r
             old.replace_all_uses_with(new)
@@ -58,7 +58,7 @@ def _route_grouped(graph: fx.Graph, env: dict[fx.Node, fx.Node], r: RoutedRead, 
     operand = env[r.views[-1]] if r.views else None
     with graph.inserting_before(product):
         fetched = graph.call_function(OPS.routed_grouped.default, (runtime_id, r.group, r.slot, offs, r.bound,
-                                                                   r.expert_bytes))
+                                                                   r.expert_bytes, []))
         fetched.meta["offload_routed"] = r
         weight = graph.call_function(operator.getitem, (fetched, 0))
         compact_offs = graph.call_function(operator.getitem, (fetched, 1))
@@ -76,11 +76,13 @@ def _route_grouped(graph: fx.Graph, env: dict[fx.Node, fx.Node], r: RoutedRead, 
             graph.erase_node(env[view])
 
 
+ROUTED_DEPS = 6  # the position of ``deps``, last, in both routed ops' arguments (as `route_reads` makes them)
+
+
 def routed_view(node: fx.Node) -> tuple[int, int, int] | None:
     """(group, bound, expert bytes) of a ``routed`` or ``routed_grouped`` node; None for any other node."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, OpOverload) or target.name() not in (
-            "offload_compiler::routed", "offload_compiler::routed_grouped"):  # (by name: passes don't import `ops`)
+    if node.op != "call_function" or not isinstance(target, OpOverload) or target.name() not in ROUTED_OPS:
         return None
-    _, group, _, _, bound, expert_bytes = node.args
+    _, group, _, _, bound, expert_bytes, _deps = node.args
     return group, bound, expert_bytes

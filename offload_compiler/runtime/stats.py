@@ -27,8 +27,9 @@ class OffloadStats:
     on_demand_bytes: int = 0  # weights read outside an offloaded graph, each op's copy fetched for it alone
     disk_bytes_read: int = 0  # of bytes_transferred, read from the disk tier's files (host_budget_gb)
     disk_bytes: int = 0  # weights whose host copy is on disk, not in host memory
-    routed_bytes: int = 0  # of bytes_transferred, expert bytes moved by routed fetches (the experts routed to)
-    routed_fetches: int = 0  # routed fetches run (one per expert weight read by router indices per call)
+    routed_bytes: int = 0  # of bytes_transferred, moved by routed fetches (the rows indices named: a table's
+    # lookups, the experts routed to)
+    routed_fetches: int = 0  # routed fetches run (one per weight read by indices per call)
     expert_bytes: int = 0  # of bytes_transferred, fused expert weights moved (whole fetches and routed ones)
     calls: int = 0  # offloaded graph calls since the last reset
 
@@ -52,8 +53,9 @@ class OffloadStats:
                     if self.on_demand_bytes else "")
         carried += (f"; {mib(self.disk_bytes)} on disk, {mib(self.disk_bytes_read)} read from it"
                     if self.disk_bytes else "")
-        carried += (f"; experts {mib(self.expert_bytes_per_call)} per call ({mib(self.routed_bytes)} in "
-                    f"{self.routed_fetches} routed fetches)" if self.expert_bytes else "")
+        carried += (f"; experts {mib(self.expert_bytes_per_call)} per call" if self.expert_bytes else "")
+        carried += (f"; {mib(self.routed_bytes)} in {self.routed_fetches} routed fetches (the rows indices named)"
+                    if self.routed_fetches else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
                 f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
                 f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
@@ -97,15 +99,16 @@ def describe(runtime) -> str:
 
 
 def _expert_lines(runtime, plan) -> list[str]:
-    """For `describe`: how a graph fetches each expert group it reads: routed (the experts the router names, at
-    most the bound its shapes allow) or whole (the bound is every expert, or the experts are not read by router
-    indices)."""
+    """For `describe`: how a graph fetches each group it reads by indices (routed: the rows named, at most the
+    bound its shapes allow: a table's lookups, the experts the router names) and each expert group it fetches
+    whole (the bound is every expert, or the experts are not read by router indices)."""
     lines = []
     for r in plan.routed:
         name = runtime.groups[r.group].slots[r.slot].name  # (as compiled: a remapped call reads another layer's)
         how = ", offsets remapped" if r.grouped else ""  # a grouped product's operand (`grouped_mm` experts)
-        lines.append(f"    routed {name}: at most {r.bound} of {r.experts} experts per call "
-                     f"({readable_bytes(r.bound_bytes)} slot, {readable_bytes(r.expert_bytes)} per expert{how})")
+        unit = "expert" if r.group in runtime.expert_groups else "row"
+        lines.append(f"    routed {name}: at most {r.bound} of {r.experts} {unit}s per call "
+                     f"({readable_bytes(r.bound_bytes)} slot, {readable_bytes(r.expert_bytes)} per {unit}{how})")
     routed = {r.group for r in plan.routed}
     whole = sorted({i.group for i in plan.schedule.instances if i.group in runtime.expert_groups} - routed)
     for group in whole:

@@ -78,6 +78,12 @@ def _read_staged(staging: list[torch.Tensor | None], group: Group) -> None:
             bucket.file.read_into(buffer)
 
 
+# what a call moved, counted since the last reset: one list, so that a counter added is reset and carried over
+# (`continue_counters`) with the others
+COUNTERS = ("bytes_transferred", "disk_bytes_read", "fetch_count", "carry_hits", "routed_bytes", "routed_fetches",
+            "expert_bytes")
+
+
 class TransferEngine:
     """The device copies of one runtime's groups and the transfers between host and device. Every copy lands
     in a pool slot planned for its fetch key (`plan_slots`); ``debug_poison`` fills evicted slots with NaN."""
@@ -97,7 +103,7 @@ class TransferEngine:
         self.disk_bytes_read = 0  # of it, read from the disk tier's files
         self.fetch_count = 0
         self.carry_hits = 0
-        self.routed_bytes = 0  # of bytes_transferred, moved by routed fetches (the experts the router named)
+        self.routed_bytes = 0  # of bytes_transferred, moved by routed fetches (the rows indices named)
         self.routed_fetches = 0
         self.expert_groups: frozenset[int] = frozenset()  # (set by the runtime) groups of fused expert weights
         self.expert_bytes = 0  # of bytes_transferred, expert weights moved: whole fetches and routed ones
@@ -152,10 +158,10 @@ class TransferEngine:
         return sum(keys.values())
 
     def routed(self, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int) -> torch.Tensor:
-        """``weight[ids]`` for an expert weight read by router indices: the distinct experts ``ids`` names (at
-        most ``bound``, the planned slot's size) are copied from the host into the slot, and the result is
-        gathered from there with the indices remapped to the slot's rows."""
-        # the indices are the router's, on the device: the copy must know them on the host (one small read)
+        """``weight[ids]`` for a weight read by indices (router indices; a table's lookup, ``ids`` of any shape):
+        the distinct rows ``ids`` names (at most ``bound``, the planned slot's size) are copied from the host into
+        the slot, and the result is gathered from there with the indices remapped to the slot's rows."""
+        # the indices are on the device: the copy must know them on the host (one small read)
         experts, rows = torch.unique(ids.to("cpu"), return_inverse=True)
         return self._routed_gather(group, slot, experts, rows, bound, expert_bytes)
 
@@ -193,6 +199,9 @@ class TransferEngine:
         bucket = g.buckets[leaf.bucket]
         dtype = bucket.dtype
         count = experts.numel()
+        if count and not 0 <= int(experts[0]) <= int(experts[-1]) < leaf.shape[0]:  # (sorted: torch.unique)
+            raise IndexError(f"index out of range in self: {g.slots[slot].name} has {leaf.shape[0]} rows, an index "
+                             f"named {int(experts[0]) if experts[0] < 0 else int(experts[-1])}")
         if count > bound or expert_bytes != math.prod(leaf.shape[1:]) * dtype.itemsize:
             raise AssertionError(f"routed fetch of {g.slots[slot].name}: {count} experts named, slot for {bound}")
         buffer = self._routed_slots[(tuple(leaf.shape[1:]), dtype, bound)]
@@ -210,7 +219,8 @@ class TransferEngine:
             self.ledger.release(bound * expert_bytes)
         self.bytes_transferred += count * expert_bytes
         self.routed_bytes += count * expert_bytes
-        self.expert_bytes += count * expert_bytes
+        if group in self.expert_groups:
+            self.expert_bytes += count * expert_bytes
         self.routed_fetches += 1
         return out
 
@@ -546,19 +556,13 @@ class TransferEngine:
                 sum(self.groups[c.group].nbytes for c in self._carried.values()))
 
     def continue_counters(self, previous: "TransferEngine") -> None:
-        """Count on from ``previous`` (a runtime this one replaced over the same weights): its bytes, fetches,
-        carry hits and peak, as if one runtime had moved them."""
-        self.bytes_transferred += previous.bytes_transferred
-        self.fetch_count += previous.fetch_count
-        self.carry_hits += previous.carry_hits
+        """Count on from ``previous`` (a runtime this one replaced over the same weights): every counter of
+        `COUNTERS` and the peak, as if one runtime had moved them."""
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(previous, name))
         self.ledger.peak = max(self.ledger.peak, previous.ledger.peak)
 
     def reset_counters(self) -> None:
-        self.bytes_transferred = 0
-        self.disk_bytes_read = 0
-        self.fetch_count = 0
-        self.carry_hits = 0
-        self.routed_bytes = 0
-        self.routed_fetches = 0
-        self.expert_bytes = 0
+        for name in COUNTERS:
+            setattr(self, name, 0)
         self.ledger.reset_peak()

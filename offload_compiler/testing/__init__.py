@@ -182,6 +182,22 @@ def planned_routed(offloaded: Any) -> tuple[int, int]:
     return fetches, bound
 
 
+def routed_only_groups(offloaded: Any) -> set[int]:
+    """The groups that the captured plans read only by indices, never fetched whole (a token embedding's table,
+    looked up; experts at decode): a call moves the rows its indices name instead (``routed_fetches``,
+    ``routed_bytes``), so "every group once per call" reads ``fetch_count == len(groups) - len(this)``."""
+    plans = state_of(offloaded).runtime.graph_plans
+    fetched_whole = {i.group for plan in plans for i in plan.schedule.instances}
+    return {r.group for plan in plans for r in plan.routed} - fetched_whole
+
+
+def routed_only_bytes(offloaded: Any) -> int:
+    """The bytes of `routed_only_groups`: "every streamed byte moved" reads
+    ``bytes_transferred - routed_bytes >= streamed_bytes - routed_only_bytes``."""
+    groups = state_of(offloaded).runtime.groups
+    return sum(groups[g].nbytes for g in routed_only_groups(offloaded))
+
+
 def assert_traffic_matches_plan(offloaded: Any, resident_filled: bool = False) -> OffloadStats:
     """The ledger's bytes and fetches since the last `reset_offload_stats` equal `planned_traffic`: offloading
     happened, and exactly as planned (no group read from host memory, none fetched twice). Routed expert
@@ -222,6 +238,10 @@ class EquivalenceReport:
     peak_resident_bytes: int
     predicted_peak_bytes: int
     streamed_bytes: int
+    # streamed groups that no plan fetches whole, only the rows indices name (a token embedding's table, experts
+    # at decode): their bytes, and the routed fetches that ran
+    routed_group_bytes: int = 0
+    routed_fetches: int = 0
 
 
 def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: Any, atol: float | None = None,
@@ -279,4 +299,8 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
     assert stats.live_device_bytes == held, f"{stats.live_device_bytes - held} B of device copies outlived the call"
     if len(plans) == 1 and plans[0].carry_keys and calls > 1:  # one graph: each call takes the last one's copies
         assert stats.carry_hits >= calls - 1, "prefetch_next_call: no call used the copies its previous call carried"
-    return EquivalenceReport(worst, stats.bytes_transferred, stats.peak_resident_bytes, predicted, streamed)
+    routed_only = routed_only_bytes(offloaded)
+    if routed_only:
+        assert stats.routed_fetches >= calls, "groups read by indices were not moved"
+    return EquivalenceReport(worst, stats.bytes_transferred, stats.peak_resident_bytes, predicted, streamed,
+                             routed_only, stats.routed_fetches)
