@@ -1,4 +1,4 @@
-"""Capture the graphs dynamo hands a backend, without rewriting them (for tests of the passes)."""
+"""Capture the graphs dynamo hands a backend, without rewriting them, and read them (for tests of the passes)."""
 
 import torch
 
@@ -13,3 +13,14 @@ def capture(model, *args, fullgraph=False, **kwargs):
     with torch.no_grad():
         torch.compile(model, backend=backend, fullgraph=fullgraph)(*args, **kwargs)
     return graphs[0]
+
+
+def ancestors(node) -> set:
+    """Every node ``node`` was computed from."""
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen

@@ -18,6 +18,8 @@ from offload_compiler.passes.fuse import fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, assert_traffic_matches_plan, \
     build_block_model
+
+from capture import ancestors
 from offload_compiler.testing.models import llama
 from test_backend import _PostNormStack  # noqa: E402  (tests/ is on the path, as for capture.py)
 
@@ -33,16 +35,6 @@ def _rewritten(policy: OffloadPolicy, prepare=lambda model: model):
     runtime = OffloadRuntime(policy, plan_groups(model, policy), pack_now=False)
     new_gm, num_outputs, plan = rewrite_graph(gm, inputs, runtime)
     return new_gm, num_outputs, plan, runtime
-
-
-def _ancestors(node) -> set:
-    seen, stack = set(), list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _count(gm, target) -> int:
@@ -73,15 +65,15 @@ def test_fusing_folds_every_evict_and_prefetch_before_a_wait_into_it(prefetch):
         n.args[1:3] for n in gm.graph.nodes if n.target is OPS.wait.default]
     fetching = [t for t, p in zip(transfers, plans) if p.key is not None]
     for earlier, later in zip(fetching, fetching[1:]):  # each fused op ordered after the previous one by data
-        assert earlier in _ancestors(later)
+        assert earlier in ancestors(later)
     # each op waits for every reader of the groups it evicts, through the fewest deps: none implies another
     readers = {(n.args[1], r.name) for n in gm.graph.nodes if n.target is OPS.evict.default for r in n.args[4]}
     for transfer, p in zip(transfers, plans):
-        ancestors = {a.name for a in _ancestors(transfer)}
+        computed_from = {a.name for a in ancestors(transfer)}
         evicted = {group for is_evict, group, *_ in p.steps if is_evict}
-        assert {name for group, name in readers if group in evicted} <= ancestors
+        assert {name for group, name in readers if group in evicted} <= computed_from
         deps = transfer.args[2]
-        assert not any(d in _ancestors(other) for d in deps for other in deps if other is not d)
+        assert not any(d in ancestors(other) for d in deps for other in deps if other is not d)
     # no slot memory is a graph output any more: the model's outputs and the unconsumed tokens only
     outputs = next(n for n in fused.graph.nodes if n.op == "output").args[0]
     assert not any(o.target is operator.getitem and o.args[0] in transfers for o in outputs[max(num_outputs, 1):])

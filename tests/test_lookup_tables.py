@@ -12,6 +12,8 @@ from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offl
 from offload_compiler.testing import assert_traffic_matches_plan, simulated_device
 from offload_compiler.testing.models import llama
 
+from capture import ancestors
+
 VOCAB, HIDDEN, ROW = 128, 64, 64 * 4  # float32 rows
 
 
@@ -179,16 +181,7 @@ def test_under_inductor_the_lookups_are_ordered_as_the_verified_graph_says(monke
         before = nodes[:nodes.index(lookup)]
         after = nodes[nodes.index(lookup):]
         evicts = [n for n in before if name(n) == "offload_compiler::evict"]
-        assert set(evicts) <= _ancestors_of(lookup)  # the evicts before it run before it
+        assert set(evicts) <= ancestors(lookup)  # the evicts before it run before it
         following = next(n for n in after if name(n) == "offload_compiler::transfer")
-        assert lookup in _ancestors_of(following)  # and the next transfer after it
+        assert lookup in ancestors(following)  # and the next transfer after it
 
-
-def _ancestors_of(node):
-    found, stack = set(), list(node.all_input_nodes)
-    while stack:
-        current = stack.pop()
-        if current not in found:
-            found.add(current)
-            stack.extend(current.all_input_nodes)
-    return found
