@@ -58,7 +58,11 @@ def main() -> None:
     print(describe_plan(offloaded))
     stats = offload_stats(offloaded)
     print(f"capture+compile {compile_s:.1f}s, one offloaded call {call_s * 1e3:.0f} ms")
-    print(f"moved {stats.bytes_transferred / 2**20:.1f} MiB in {stats.fetch_count} fetches per call")
+    looked_up = (f", and {stats.routed_bytes / 2**10:.1f} KiB of rows looked up in {stats.routed_fetches} routed "
+                 f"fetches (the token embedding's rows for the call's tokens, not its table)"
+                 if stats.routed_fetches else "")
+    print(f"moved {(stats.bytes_transferred - stats.routed_bytes) / 2**20:.1f} MiB in {stats.fetch_count} fetches per "
+          f"call{looked_up}")
     print(f"peak device weights {stats.peak_resident_bytes / 2**20:.1f} MiB instead of "
           f"{stats.total_bytes / 2**20:.1f} MiB without offload: saved "
           f"{(1 - stats.peak_resident_bytes / stats.total_bytes) * 100:.0f}% "
