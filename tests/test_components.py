@@ -180,7 +180,9 @@ def test_qwen25_omni_driven_stage_by_stage_alternates_thinker_talker_token2wav(c
     live = result["live_after_each_stage"]
     assert live == [groups["thinker"], groups["talker"], groups["token2wav"]]  # one stage on the device
     stats = offload_stats(m)
-    assert stats.peak_resident_bytes == max(groups.values())
+    # one stage at a time, and beside it the slot of the rows a lookup moved (the talker stage looks up the
+    # thinker's token embedding while the thinker is still parked: rows, not the thinker, move)
+    assert max(groups.values()) <= stats.peak_resident_bytes <= max(groups.values()) + stats.routed_bytes
     assert 1 - stats.peak_resident_bytes / sum(groups.values()) >= 0.3  # the seeds' 30-50% for multi-stage
 
 
