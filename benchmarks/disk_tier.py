@@ -229,10 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     limit = max(median["plain"], stats.disk_bytes_read / bandwidth)
     # groups on disk that ours reads by lookup only (the token embedding: the rows of the call's tokens); an
     # offloader reading whole groups reads them whole, so its limit counts every group on disk
-    runtime = ours._offload_runtime
-    fetched_whole = {i.group for plan in runtime.graph_plans for i in plan.schedule.instances}
-    looked_up = {r.group for plan in runtime.graph_plans for r in plan.routed} - fetched_whole
-    looked_up_on_disk = sum(runtime.groups[g].nbytes for g in looked_up if runtime.groups[g].on_disk)
+    from offload_compiler.testing import routed_only_groups
+    groups = ours._offload_runtime.groups
+    looked_up_on_disk = sum(groups[g].nbytes for g in routed_only_groups(ours) if groups[g].on_disk)
     limit_whole = max(median["plain"], stats.disk_bytes / bandwidth)
     result = {
         "command": exact_command(), "environment": environment(),
