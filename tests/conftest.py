@@ -2,8 +2,12 @@ import gc
 import os
 import tempfile
 
-# inductor's FX-graph cache does not key on custom-op tags; keep each run's compiled code to itself
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="offload_compiler_inductor_"))
+# inductor's FX-graph cache does not key on custom-op tags; keep each run's compiled code to itself. The workers of
+# one run share it: a fresh cache costs each process about 15 s on a 2-core machine before its first kernel (inductor
+# builds a test program per vector instruction set to choose one, and caches the answer there).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"offload_compiler_inductor_{_RUN}")
+                      if _RUN else tempfile.mkdtemp(prefix="offload_compiler_inductor_"))
 
 # One intra-op thread in every test process, and in the subprocesses tests start (examples, ranks): the tests
 # compare eager CPU outputs with the plain model's bit for bit, and torch's multi-threaded CPU kernels do not
@@ -45,7 +49,7 @@ def _fresh_dynamo():
 # few seconds late in a run; gc.get_freeze_count() walks them all too, so the count of tests decides).
 # Nothing is lost: an object is only collected later, never kept. (gc.get_objects() leaves frozen objects out:
 # the backend route finds its model among the objects a test made itself.)
-FULL_COLLECTION_EVERY = 50
+FULL_COLLECTION_EVERY = 150
 _tests_since_full_collection = 0
 
 

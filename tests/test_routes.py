@@ -237,7 +237,7 @@ def test_a_forward_set_on_the_instance_before_offloading_is_what_the_model_runs(
     assert remove_offload(m).__dict__["forward"] is wrapper
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), "sim"])  # the device not the host fast
 def test_auto_whose_plan_fails_keeps_streaming_its_parts(device):
     """The whole call cannot plan (the budget is too small): the error names the budget, the weights are unchanged,
     and a part called after it streams again (on a runtime of its own), as before the failed plan."""
@@ -292,6 +292,8 @@ def test_auto_plans_at_whatever_call_comes_first():
     assert m._offload_runtime is not None and offload_stats(m).fetch_count > 0
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 def test_auto_streams_a_part_called_before_the_whole_model_then_plans_at_its_first_whole_call():
     """An encoder-decoder's ``generate`` calls its encoder before the model: until a whole call plans, parts stream
     one block at a time (every group, exactly as the verified plans say); the whole call then plans, and the stats
@@ -705,6 +707,8 @@ def test_regional_keeps_an_error_that_is_not_the_regions_and_says_nothing_of_the
         assert torch.equal(plain(x), expected)
 
 
+@pytest.mark.slow
+@pytest.mark.newest_torch
 @needs_regions
 def test_regional_on_a_pipeline_streams_every_component_and_falls_back_where_a_block_is_refused():
     """A pipeline object (CLIP text encoder, Flux transformer, VAE) under ``regional=True``: its Flux blocks are
