@@ -237,7 +237,8 @@ def test_a_forward_set_on_the_instance_before_offloading_is_what_the_model_runs(
     assert remove_offload(m).__dict__["forward"] is wrapper
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), "sim"])  # the device not the host fast
+# the simulated device (not the host) keeps the case in the fast subset
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), "sim"])
 def test_auto_whose_plan_fails_keeps_streaming_its_parts(device):
     """The whole call cannot plan (the budget is too small): the error names the budget, the weights are unchanged,
     and a part called after it streams again (on a runtime of its own), as before the failed plan."""
