@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from offload_compiler._torch_private import guards_only_on
+from offload_compiler.host_masters import keep_guards
 from offload_compiler.host_masters import HostMaster
 
 
@@ -51,10 +51,10 @@ def main() -> None:
         "masters": torch.compile(_model(layers, True), backend=_constant_backend()),
         "masters, their guards dropped": torch.compile(_model(layers, True), backend=_constant_backend(),
                                                        options={"guard_filter_fn": _drop_master_guards}),
-        # what offloaded calls compile with (`offloaded.forwards._PART_GUARDS`): each master's TENSOR_MATCH alone
-        "masters, TENSOR_MATCH alone (guards_only_on)": torch.compile(
+        # what offloaded calls compile with (`host_masters.GUARD_FILTER`): each master's TENSOR_MATCH alone
+        "masters, TENSOR_MATCH alone (keep_guards)": torch.compile(
             _model(layers, True), backend=_constant_backend(),
-            options={"guard_filter_fn": guards_only_on({HostMaster: "TENSOR_MATCH"})}),
+            options={"guard_filter_fn": keep_guards}),
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
     with torch.no_grad():

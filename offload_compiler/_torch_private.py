@@ -46,30 +46,23 @@ warning asks subclasses for it): torch calls it, we call nothing, and without it
    torch's config modules with no public counterpart in ``torch.compiler.config``. Torch 2.11 only: the record
    of the first flag that the ``torch._dynamo.metrics_context`` logger reports as a traceback is dropped
    (`_ConfigRecordOfFunctions`). Test: ``test_private_config_flags_do_what_captures_rely_on``.
-7. Guard-filter entries' ``orig_guard.originating_source`` and the sources' ``base`` chain: `guards_only_on`
-   keeps one guard per host master (the ``guard_filter_fn`` option is public; what an entry was
-   reached through is not: the public ``name`` is a string to parse). Torch 2.11 and 2.12 get no filter
-   (`guards_only_on` returns None): their dynamo reads each guarded source once more to make the filter's
-   entries, and a property that returns a new object per read (transformers' ``config.per_layer_config``)
-   then fails an assertion, with any filter at all; every guard stays (more checks per call, the same graphs).
-   Test: ``test_guard_entries_name_their_source_chain``.
-8. Inductor (``torch._inductor``): ``compile_fx.compile_fx`` (inductor on a graph our backend rewrote; the
+7. Inductor (``torch._inductor``): ``compile_fx.compile_fx`` (inductor on a graph our backend rewrote; the
    public entry, ``torch.compile``, would trace it again with dynamo and guard every call), and the lowering of
    our ``transfer`` op (``lowering.register_lowering``, ``lowering.fallback_handler``, ``virtualized.V.graph``'s
    ``never_reuse_buffers``/``unaligned_buffers``, ``ir.FallbackKernel``'s codegen). Inductor has no public
    Python API. Test: ``test_inductor_entry_points_take_what_we_pass`` (signatures and graph state, fast);
    the compile itself: tests/test_hot_path.py (``test_inductor_calls_the_transfer_past_the_dispatcher...``).
-9. ``torch.utils._pytree`` (`pytree`): nested inputs and outputs as torch and transformers register them (model
+8. ``torch.utils._pytree`` (`pytree`): nested inputs and outputs as torch and transformers register them (model
    outputs, caches). No public module in torch 2.13/2.14 (``torch.utils.pytree`` does not exist).
    Test: ``test_pytree_walks_registered_containers``.
-10. Op overloads: ``torch._ops.OpOverload`` (`OpOverload`), its ``_schema`` (`op_schema`: argument names and
+9. Op overloads: ``torch._ops.OpOverload`` (`OpOverload`), its ``_schema`` (`op_schema`: argument names and
     defaults, written arguments), ``OpOverloadPacket._qualified_op_name`` and ``torch._grouped_mm`` (a private
     op that models call, recognized by identity: `grouped_mm_targets`). ``OpOverload.name()`` is public and used
     for names; the schema object has no public accessor. Test: ``test_op_overloads_and_their_schema``.
-11. ``torch._C._autograd._profiler_enabled`` (`profiler_enabled`): `ops.transfer_direct` records itself for a
+10. ``torch._C._autograd._profiler_enabled`` (`profiler_enabled`): `ops.transfer_direct` records itself for a
     profiler only while one runs (``torch.profiler.record_function`` costs microseconds, on every transfer).
     No public query. Test: ``test_profiler_enabled_follows_the_profiler``.
-12. The fake-tensor logger's name, ``torch._subclasses.fake_tensor`` (`filter_fake_tensor_log`): an offloaded
+11. The fake-tensor logger's name, ``torch._subclasses.fake_tensor`` (`filter_fake_tensor_log`): an offloaded
     call's input error is one short error, not a logged traceback from fake tensors first. Loggers are named
     after torch's private modules. Test: ``test_fake_tensor_failures_are_logged_where_we_filter``.
 
@@ -90,7 +83,7 @@ import re
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.utils._pytree as pytree  # touch point 9: re-exported, the package's only import of it
+import torch.utils._pytree as pytree  # touch point 8: re-exported, the package's only import of it
 from torch import nn
 from torch._dynamo import convert_frame as _convert_frame, eval_frame as _eval_frame
 from torch._dynamo.eval_frame import OptimizedModule
@@ -452,51 +445,7 @@ class _ConfigRecordOfFunctions(logging.Filter):
 logging.getLogger("torch._dynamo.metrics_context").addFilter(_ConfigRecordOfFunctions())
 
 
-# ---- 7. guard-filter entries' source chain ------------------------------------------------------------------
-
-GUARD_FILTERS_READ_SOURCES_ONCE = torch.__version__ >= "2.13"  # see touch point 7
-
-
-def guards_only_on(kinds: dict[type, str]) -> Callable[[list], list[bool]] | None:
-    """A ``guard_filter_fn`` (``torch.compile(..., options={"guard_filter_fn": ...})``) that keeps, of the guards
-    dynamo installs on an object of a type in ``kinds`` and on what it reached through one, only the object's
-    guard of the kind named there:
-
-    - a host master (``"TENSOR_MATCH"``, a C++ check of its class, shape, strides, dtype and device): its
-      ``__tensor_flatten__`` context (its device, compared in Python per weight), its inner ``host``
-      tensor (rebound by ``p.data = t``; the offloaded graph reads the weight's device slot, never ``host``) and
-      the list of its inner attributes (a Python call per weight) follow from the class and the runtime that
-      made it; the offloaded call checks the weights' identity at every graph call anyway (`GraphRunner`).
-
-    A few C++ checks per object, instead of a dozen and Python lambdas.
-
-    Private surface: the entries' ``orig_guard.originating_source`` and the sources' ``base`` chain
-    (``ChainedSource``). None where the installed torch cannot take a filter safely (touch point 7)."""
-    if not GUARD_FILTERS_READ_SOURCES_ONCE:
-        return None
-    def keep(entries: list) -> list[bool]:
-        held = {e.orig_guard.originating_source: kinds[type(e.value)] for e in entries
-                if e.has_value and type(e.value) in kinds}
-        if not held:
-            return [True] * len(entries)
-
-        def owner(source: Any) -> Any:
-            while source is not None:
-                if source in held:
-                    return source
-                source = getattr(source, "base", None)
-            return None
-
-        def kept(entry: Any) -> bool:
-            source = entry.orig_guard.originating_source
-            found = owner(source)
-            return found is None or (found == source and held[found] in (entry.guard_type,
-                                                                            *entry.derived_guard_types))
-        return [kept(e) for e in entries]
-    return keep
-
-
-# ---- 8. inductor --------------------------------------------------------------------------------------------
+# ---- 7. inductor --------------------------------------------------------------------------------------------
 
 # inductor's modules are imported where first used: importing them takes seconds
 
@@ -531,11 +480,11 @@ def is_inductor_fallback_kernel(node: Any) -> bool:
     return isinstance(node, ir.FallbackKernel)
 
 
-# ---- 9. pytree: imported above, as `pytree` -----------------------------------------------------------------
+# ---- 8. pytree: imported above, as `pytree` -----------------------------------------------------------------
 
 tree_map = pytree.tree_map
 
-# ---- 10. op overloads and their schema ----------------------------------------------------------------------
+# ---- 9. op overloads and their schema ----------------------------------------------------------------------
 
 OpOverload = torch._ops.OpOverload  # the class of ``torch.ops.<namespace>.<op>.<overload>``
 GROUPED_MM = getattr(torch, "_grouped_mm", None)  # what models call for grouped experts (None where absent)
@@ -552,12 +501,12 @@ def qualified_op_name(target: Any) -> str | None:
     return getattr(target, "_qualified_op_name", None) or getattr(op_schema(target), "name", None)
 
 
-# ---- 11. whether a profiler records -------------------------------------------------------------------------
+# ---- 10. whether a profiler records -------------------------------------------------------------------------
 
 profiler_enabled = torch._C._autograd._profiler_enabled  # () -> bool: whether a profiler records now
 
 
-# ---- 12. the fake-tensor logger -----------------------------------------------------------------------------
+# ---- 11. the fake-tensor logger -----------------------------------------------------------------------------
 
 def filter_fake_tensor_log(log_filter: logging.Filter) -> None:
     """Filter what fake tensors log (each op that fails while dynamo traces, with its traceback, to stderr)."""

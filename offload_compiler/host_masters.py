@@ -108,7 +108,7 @@ class HostMaster(torch.Tensor):
     # device, not the runtime's account (a weak reference, which no pickle takes, and one runtime's). A master
     # torch rebuilds from its parts (a fake one while tracing, a view a compiled graph returns) counts no reads.
     def __tensor_flatten__(self):
-        return ["host"], (self.device,)
+        return _INNER_NAMES, (self.device,)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size, outer_stride) -> "HostMaster":
@@ -170,6 +170,43 @@ class HostMaster(torch.Tensor):
                 return first
         args, kwargs = tree_map(lambda a: _counted(a) if isinstance(a, HostMaster) else a, (args, kwargs))
         return func(*args, **kwargs)
+
+
+_INNER_NAMES = ["host"]  # one list for every master: dynamo's guard on it is recognized by identity (`keep_guards`)
+
+
+def keep_guards(entries: list) -> list[bool]:
+    """A ``guard_filter_fn`` (``torch.compile(..., options={"guard_filter_fn": ...})``): of the guards dynamo
+    installs on a host master and on what it reads through the master, only the master's ``TENSOR_MATCH`` (a C++
+    check of its class, shape, strides, dtype and device) is kept. Dropped: its type and subclass-metadata guards
+    (the flatten context, compared in Python per weight: the device, which ``TENSOR_MATCH`` checks), the guard on
+    its inner ``host`` tensor (rebound by ``p.data = t``; the offloaded graph reads the weight's device slot, never
+    ``host``) and the guard on the list of inner names (a Python call per weight; one list for all masters).
+    The offloaded call checks the weights' identity at every graph call anyway (`GraphRunner`), so a few C++
+    checks per weight replace a dozen and Python lambdas (benchmarks/host_master_guards.py).
+
+    Only the entries' public fields are read: ``value``, ``has_value``, ``guard_type``, ``derived_guard_types``.
+    What was reached through a master is recognized by identity -- its inner tensor, the shared names list --
+    never by how dynamo spells its source."""
+    masters = [e.value for e in entries if e.has_value and type(e.value) is HostMaster]
+    if not masters:
+        return [True] * len(entries)
+    inner = {id(m.host) for m in masters}
+
+    def kept(entry: Any) -> bool:
+        if not entry.has_value:
+            return True
+        value = entry.value
+        if type(value) is HostMaster:
+            return "TENSOR_MATCH" in (entry.guard_type, *entry.derived_guard_types)
+        return value is not _INNER_NAMES and not (isinstance(value, torch.Tensor) and id(value) in inner)
+    return [kept(e) for e in entries]
+
+
+# Guard filters take no effect on a torch before 2.13: its dynamo reads each guarded source once more to make the
+# filter's entries, and a property that returns a new object per read (transformers' ``config.per_layer_config``)
+# then fails an assertion, with any filter at all. There every guard stays (more checks per call, the same graphs).
+GUARD_FILTER = keep_guards if torch.__version__ >= "2.13" else None
 
 
 # Where the compute device is the host (``cpu``), ``.cpu()`` and ``.to("cpu")`` return the tensor itself, and

@@ -1,5 +1,5 @@
 """The dynamo helpers that routed parts rely on (``torch.compiler.assume_constant_result``, and
-`_torch_private.inlined_only`, `guards_only_on`), each checked for exactly what is relied on, so that a torch
+`_torch_private.inlined_only`, the host masters' guard filter `host_masters.keep_guards`), each checked for exactly what is relied on, so that a torch
 upgrade that changes one fails here, by name, rather than as a slow or wrong offloaded call somewhere else."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
-from offload_compiler._torch_private import GUARD_FILTERS_READ_SOURCES_ONCE, guards_only_on, inlined_only
+from offload_compiler._torch_private import inlined_only
+from offload_compiler.host_masters import GUARD_FILTER, HostMaster, keep_guards
 
 _flag = {"on": True}
 
@@ -93,68 +94,22 @@ def test_inlined_only_is_traced_into_but_not_compiled_as_a_frame_of_its_own():
     assert plain.frame_count > inlined.frame_count  # the plain callable's own frame compiled from the loop
 
 
-class _Part:
-    """An object holding a module's bound forward (the kind `guards_only_on` filters through)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.forward = type(module).forward.__get__(module)
-
-    def __call__(self, *args):
-        return self.forward(*args)
-
-
-no_guard_filter_here = pytest.mark.skipif(not GUARD_FILTERS_READ_SOURCES_ONCE, reason="no guard filter on this torch")
+no_guard_filter_here = pytest.mark.skipif(GUARD_FILTER is None, reason="no guard filter on this torch")
 
 
 @no_guard_filter_here
-def test_guards_only_on_keeps_the_objects_identity_and_drops_what_was_reached_through_it():
-    """The guards on an object of the kind, and on what dynamo reached through it, are dropped (the module's
-    object-aliasing guard among them: a Python lambda per object otherwise), except the object's own identity:
-    the compiled code still recompiles for another object in its place, and stays right."""
-    torch._dynamo.reset()
-    seen: list[tuple[str, bool]] = []
-    keep = guards_only_on({_Part: "ID_MATCH"})
-
-    def recording(entries):
-        kept = keep(entries)
-        seen.extend((e.guard_type, k) for e, k in zip(entries, kept))
-        return kept
-
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    for layer in model:
-        layer.__dict__["forward"] = _Part(layer)
-    counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter, options={"guard_filter_fn": recording})
-    x = torch.randn(2, 4)
-    try:
-        with torch.no_grad():
-            expected = model[1](model[0](x))
-            assert torch.equal(compiled(x), expected)
-            assert torch.equal(compiled(x), expected)
-            assert counter.frame_count == 1
-            assert ("DUPLICATE_INPUT", False) in seen and ("DUPLICATE_INPUT", True) not in seen
-            assert ("CLOSURE_MATCH", True) in seen or ("ID_MATCH", True) in seen
-            model[0].__dict__["forward"] = _Part(model[0])  # another object in its place: the identity guard
-            assert torch.equal(compiled(x), expected)
-            assert counter.frame_count == 2
-    finally:
-        torch._dynamo.reset()
-
-
-@no_guard_filter_here
-def test_guards_only_on_keeps_a_host_masters_tensor_match_alone():
+def test_the_guard_filter_keeps_a_host_masters_tensor_match_alone():
     """Of the guards on a host master (its type, its ``__tensor_flatten__`` context compared in Python, its inner
     ``host`` tensor, the list of its inner attributes through a Python lambda), only its own ``TENSOR_MATCH`` is
-    kept: the compiled code is reused while the weight is the same master, and a master of another shape in
-    its place recompiles."""
-    from offload_compiler.host_masters import HostMaster
+    kept, recognized from the entries' public fields (the value, by identity); every guard on the module and on
+    a plain input stays. The compiled code is reused while the weight is the same master, and a master of
+    another shape in its place recompiles."""
     torch._dynamo.reset()
     seen: list[tuple[str, str, bool]] = []
-    keep = guards_only_on({HostMaster: "TENSOR_MATCH"})
 
     def recording(entries):
-        kept = keep(entries)
-        seen.extend((e.guard_type, e.orig_guard.originating_source.name, k) for e, k in zip(entries, kept))
+        kept = keep_guards(entries)
+        seen.extend((e.guard_type, e.name, k) for e, k in zip(entries, kept))
         return kept
 
     layer = nn.Linear(4, 4)
@@ -171,6 +126,10 @@ def test_guards_only_on_keeps_a_host_masters_tensor_match_alone():
             assert ("TENSOR_MATCH", True) in on_weight and ("TENSOR_SUBCLASS_METADATA_MATCH", False) in on_weight
             assert all(not k for kind, k in on_weight if kind != "TENSOR_MATCH")
             assert not any(k for kind, name, k in seen if name.endswith(".host") or "__tensor_flatten__" in name)
+            assert any(name.endswith(".host") for kind, name, k in seen)  # there were such guards to drop
+            assert any(name.endswith("__tensor_flatten__()[0]") for kind, name, k in seen)
+            others = [k for kind, name, k in seen if "_parameters[" not in name]
+            assert others and all(others)  # the module's guards, the input's: all kept
             layer._parameters["weight"] = nn.Parameter(HostMaster(torch.randn(4, 2), torch.device("cpu")),
                                                        requires_grad=False)  # another master, another shape
             with pytest.raises(Exception, match=r"\[2, 4\] X \[2, 4\]"):  # traced again: guards saw the new shape

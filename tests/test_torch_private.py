@@ -182,40 +182,6 @@ def test_private_config_flags_do_what_captures_rely_on(capfd):
 
 
 # 7
-class _Holder:
-    def __init__(self) -> None:
-        self.scale = 2.0
-
-
-_HELD = _Holder()
-
-
-def _scaled(x):
-    return x * _HELD.scale
-
-
-@pytest.mark.skipif(not private.GUARD_FILTERS_READ_SOURCES_ONCE, reason="no guard filter on this torch")
-def test_guard_entries_name_their_source_chain():
-    """An entry on what was reached through an object names a source whose ``base`` chain reaches the object's;
-    with those dropped, the object's own guard is what is left."""
-    seen = []
-
-    def recording(entries):
-        seen.extend(entries)
-        return [True] * len(entries)
-
-    torch.compile(_scaled, backend="eager", options={"guard_filter_fn": recording})(torch.ones(2))
-    holder = [e for e in seen if e.has_value and e.value is _HELD]
-    assert holder, [e.name for e in seen]
-    source = holder[0].orig_guard.originating_source
-    reached = [e for e in seen if getattr(e.orig_guard.originating_source, "base", None) == source]
-    assert reached, [e.name for e in seen]
-    keep = private.guards_only_on({_Holder: holder[0].guard_type})
-    kept = [e for e, k in zip(seen, keep(seen)) if k]
-    assert holder[0] in kept and not any(e in kept for e in reached)
-
-
-# 8
 def test_inductor_entry_points_take_what_we_pass():
     """What `lowering` calls, with the arguments it passes, and the graph state it writes (a compile takes
     seconds: tests/test_hot_path.py compiles our transfer op with this lowering and checks its code)."""
@@ -233,7 +199,7 @@ def test_inductor_entry_points_take_what_we_pass():
         private.inductor_graph().never_reuse_buffers
 
 
-# 9
+# 8
 def test_pytree_walks_registered_containers():
     Pair = collections.namedtuple("Pair", "a b")
 
@@ -249,7 +215,7 @@ def test_pytree_walks_registered_containers():
     assert sum(isinstance(v, torch.Tensor) for v in private.pytree.tree_leaves(tree)) == 4
 
 
-# 10
+# 9
 def test_op_overloads_and_their_schema():
     aten = torch.ops.aten
     assert isinstance(aten.mm.default, private.OpOverload) and not isinstance(aten.mm, private.OpOverload)
@@ -267,7 +233,7 @@ def test_op_overloads_and_their_schema():
         assert callable(private.GROUPED_MM)
 
 
-# 11
+# 10
 def test_profiler_enabled_follows_the_profiler():
     assert not private.profiler_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
@@ -275,7 +241,7 @@ def test_profiler_enabled_follows_the_profiler():
     assert not private.profiler_enabled()
 
 
-# 12
+# 11
 def test_fake_tensor_failures_are_logged_where_we_filter():
     dropped = []
 
@@ -294,13 +260,3 @@ def test_fake_tensor_failures_are_logged_where_we_filter():
     finally:
         logger.removeFilter(drop)
     assert dropped and "mm" in dropped[0]
-
-
-def test_a_torch_whose_guard_filter_reads_sources_again_gets_no_filter(monkeypatch):
-    """Torch 2.11 and 2.12 fail an assertion with any guard filter where a guarded property returns a new object
-    per read (transformers' ``config.per_layer_config``): `guards_only_on` gives no filter there, and the
-    offloaded graphs keep every guard. (CI's torch-2.11 part runs the HF routes with it.)"""
-    monkeypatch.setattr(private, "GUARD_FILTERS_READ_SOURCES_ONCE", False)
-    assert private.guards_only_on({_Holder: "ID_MATCH"}) is None
-    monkeypatch.setattr(private, "GUARD_FILTERS_READ_SOURCES_ONCE", True)
-    assert callable(private.guards_only_on({_Holder: "ID_MATCH"}))

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_private import compile_under_config, config_for_call, filter_fake_tensor_log, guards_only_on, \
-    inlined_only, is_tracing_error, leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, \
+from .._torch_private import compile_under_config, config_for_call, filter_fake_tensor_log, inlined_only, \
+    is_tracing_error, leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, \
     short_reason, symbolic_sizes, user_frame
 from ..backend import RuntimeBackend
 from ..errors import OffloadRefusal
-from ..host_masters import HostMaster
+from ..host_masters import GUARD_FILTER, HostMaster
 from ..planning.auto import OffloadPlan
 from ..planning.capture import own_frame
 from ..runtime import OffloadRuntime
@@ -331,8 +331,8 @@ def part_forward(module: nn.Module, state: OffloadState) -> "_OffloadedForward":
     return _OffloadedForward(module, state, function=own or super(RoutedPart, module).forward)
 
 
-_PART_GUARDS = guards_only_on({HostMaster: "TENSOR_MATCH"})  # see there: by tensor metadata
-_PART_GUARD_OPTIONS = {"guard_filter_fn": _PART_GUARDS} if _PART_GUARDS is not None else {}  # torch pops the key
+_PART_GUARD_OPTIONS = {"guard_filter_fn": GUARD_FILTER} if GUARD_FILTER is not None else {}  # a host master: by
+#   its tensor metadata alone (see there); torch pops the key
 
 
 class _QuietOwnErrors(logging.Filter):
