@@ -238,6 +238,9 @@ def test_disk_tier_small(tmp_path, device):
                                                 + data["routed_bytes_per_call"])
     assert data["disk_bytes"] >= data["model_bytes"] - data["host_budget_bytes"]
     assert data["read_bandwidth_bytes_per_s"] > 0 and data["limit_s"] > 0
+    if device == "cpu":  # the limit on ours' own files reads exactly the groups it reads whole per call
+        assert data["own_files_bytes"] == data["disk_bytes_read_per_call"] - data["routed_bytes_per_call"]
+        assert len(data["own_files_read_s"]) == data["rounds"] and data["limit_reading_its_own_files_s"] > 0
     # the timed call: every group on disk read once, on the worker thread; the call waited for each fetch
     per_group = data["per_group"]
     reads = [f for f in per_group["fills"] if f["on_disk"]]
