@@ -15,8 +15,7 @@ import time
 import torch
 from torch import nn
 
-from offload_compiler.host_masters import keep_guards
-from offload_compiler.host_masters import HostMaster
+from offload_compiler.host_masters import HostMaster, keep_guards
 
 
 def _model(layers: int, masters: bool) -> nn.Module:

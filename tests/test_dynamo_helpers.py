@@ -98,12 +98,18 @@ no_guard_filter_here = pytest.mark.skipif(GUARD_FILTER is None, reason="no guard
 
 
 @no_guard_filter_here
-def test_the_guard_filter_keeps_a_host_masters_tensor_match_alone():
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_the_guard_filter_keeps_a_host_masters_tensor_match_alone(device):
     """Of the guards on a host master (its type, its ``__tensor_flatten__`` context compared in Python, its inner
     ``host`` tensor, the list of its inner attributes through a Python lambda), only its own ``TENSOR_MATCH`` is
     kept, recognized from the entries' public fields (the value, by identity); every guard on the module and on
     a plain input stays. The compiled code is reused while the weight is the same master, and a master of
-    another shape in its place recompiles."""
+    another shape in its place recompiles. On the simulated accelerator too: masters whose device is not their
+    host bytes' device, as on a GPU."""
+    if device == "sim":
+        from offload_compiler.testing import simulated_device
+        device = simulated_device()
+    device = torch.device(device)
     torch._dynamo.reset()
     seen: list[tuple[str, str, bool]] = []
 
@@ -114,10 +120,10 @@ def test_the_guard_filter_keeps_a_host_masters_tensor_match_alone():
 
     layer = nn.Linear(4, 4)
     for name, p in list(layer._parameters.items()):
-        layer._parameters[name] = nn.Parameter(HostMaster(p.detach(), torch.device("cpu")), requires_grad=False)
+        layer._parameters[name] = nn.Parameter(HostMaster(p.detach(), device), requires_grad=False)
     counter = CompileCounter()
     compiled = torch.compile(layer, backend=counter, options={"guard_filter_fn": recording})
-    x = torch.randn(2, 4)
+    x = torch.randn(2, 4, device=device)
     try:
         with torch.no_grad():
             compiled(x), compiled(x)
@@ -130,7 +136,7 @@ def test_the_guard_filter_keeps_a_host_masters_tensor_match_alone():
             assert any(name.endswith("__tensor_flatten__()[0]") for kind, name, k in seen)
             others = [k for kind, name, k in seen if "_parameters[" not in name]
             assert others and all(others)  # the module's guards, the input's: all kept
-            layer._parameters["weight"] = nn.Parameter(HostMaster(torch.randn(4, 2), torch.device("cpu")),
+            layer._parameters["weight"] = nn.Parameter(HostMaster(torch.randn(4, 2), device),
                                                        requires_grad=False)  # another master, another shape
             with pytest.raises(Exception, match=r"\[2, 4\] X \[2, 4\]"):  # traced again: guards saw the new shape
                 compiled(x)
