@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 import traceback
 import weakref
 from typing import Any, Callable
@@ -19,7 +18,7 @@ from torch import nn
 from . import ops  # noqa: F401  (registers the transfer ops)
 from .errors import OffloadRefusal
 from .grouping import GroupSpec, plan_groups
-from .lowering import compile_for_inductor, lower_for_eager
+from .lowering import compile_for_inductor, lower_for_eager, picker
 from .passes.analysis import RoutedRead, collect_uses, routed_reads, weight_inputs
 from .passes.routed import route_reads
 from .passes.insert import insert_transfers
@@ -163,12 +162,6 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadR
     return Variant(lower_for_eager(new_gm, runtime, num_outputs), num_outputs, None, plan.carry_keys, index)
 
 
-def _getter(positions: list[int]) -> Callable[[Any], tuple]:
-    if len(positions) > 1:
-        return operator.itemgetter(*positions)
-    return (lambda args: (args[positions[0]],)) if positions else (lambda args: ())
-
-
 class GraphRunner:
     """Runs one captured graph. Dynamo may call the same graph with other weights of the same shapes (a
     layer's forward captured once and reused for every layer, after a graph break inside the layer), so the
@@ -180,7 +173,7 @@ class GraphRunner:
         self._runtime = weakref.ref(runtime)
         positions = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.Tensor) and (
             id(value) in runtime.group_of or isinstance(value, nn.Parameter))]
-        self._weights_of = _getter(positions)  # the weights passed, as a tuple, in one C call per graph call
+        self._weights_of = picker(positions)  # the weights passed, as a tuple, in one C call per graph call
         self._compiled_ids = self._ids(example_inputs)
         self._variants: dict[tuple, Variant] = {self._compiled_ids: _compile_variant(gm, example_inputs, runtime)}
 

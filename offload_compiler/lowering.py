@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import operator
 import weakref
+from typing import Callable, Sequence
+
 import torch
 import torch.fx as fx
 
 from ._registry import runtime_by_id
 from ._torch_private import inductor_compile, inductor_fallback, inductor_graph, is_inductor_fallback_kernel, \
     register_inductor_lowering
-from .ops import transfer_direct
+from .ops import materialize_direct, transfer_direct
 from .passes.fuse import fuse_transfers
 from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
                            transfer_view)
@@ -143,7 +145,34 @@ def compile_for_inductor(gm: fx.GraphModule, example_inputs: list, runtime: Offl
     """``gm`` (a rewritten, verified graph) fused (`passes.fuse`) and compiled with inductor."""
     register_transfer_lowering()
     fused = fuse_transfers(gm, runtime.plan_transfer, runtime.layout, num_outputs)
-    return inductor_compile(fused, example_inputs, config_patches=_INDUCTOR_CONFIG)
+    read = _drop_unread_inputs(fused)
+    compiled = inductor_compile(fused, [example_inputs[i] for i in read], config_patches=_INDUCTOR_CONFIG)
+    if len(read) == len(example_inputs):
+        return compiled
+    pick = picker(read)
+    return lambda *args: compiled(*pick(args))
+
+
+def _drop_unread_inputs(gm: fx.GraphModule) -> list[int]:
+    """Remove the inputs the fused graph no longer reads -- the streamed weights, whose leaves the transfers
+    return -- and say which positions remain. The host masters never reach inductor: its runtime wrapper would
+    otherwise unwrap every one of them (a tensor subclass) at every call, to pass on an inner tensor nothing
+    reads."""
+    read = []
+    for index, node in enumerate([n for n in gm.graph.nodes if n.op == "placeholder"]):
+        if node.users:
+            read.append(index)
+        else:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return read
+
+
+def picker(positions: list[int]) -> Callable[[Sequence], tuple]:
+    """``args -> tuple(args[i] for i in positions)``, in one C call."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return (lambda args: (args[positions[0]],)) if positions else (lambda args: ())
 
 
 _registered = False
@@ -152,16 +181,18 @@ _registered = False
 def register_transfer_lowering() -> None:
     """Lower ``transfer`` as the extern call it is, and mark its leaves: never reused for another value
     (they are device slots the runtime owns: inductor reusing one for an activation, or writing in place
-    into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is."""
+    into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is. ``materialize``
+    stays the extern call (a copy) it is, called past the dispatcher as the transfer is."""
     global _registered
     if _registered:
         return
     fallback = inductor_fallback(OPS.transfer.default)
+    copy_fallback = inductor_fallback(OPS.materialize.default)
 
     @register_inductor_lowering(OPS.transfer.default)
     def transfer(runtime: int, plan: int, deps: list):
         leaves = fallback(runtime, plan, deps)
-        _call_directly(leaves)
+        _call_directly(leaves[0] if leaves else None, transfer_direct, DIRECT_TRANSFER)
         rt = runtime_by_id(runtime)
         group = rt.groups[rt.transfer_group(plan)]
         graph = inductor_graph()
@@ -172,20 +203,28 @@ def register_transfer_lowering() -> None:
                 graph.unaligned_buffers.add(name)
         return leaves
 
+    @register_inductor_lowering(OPS.materialize.default)
+    def materialize(value):
+        copied = copy_fallback(value)
+        _call_directly(copied, materialize_direct, DIRECT_MATERIALIZE)
+        return copied
+
     _registered = True
 
 
-DIRECT_TRANSFER = "offload_transfer"  # the name inductor's generated Python code calls `ops.transfer_direct` by
+DIRECT_TRANSFER = "offload_transfer"  # the names inductor's generated Python code calls `ops.transfer_direct`
+DIRECT_MATERIALIZE = "offload_materialize"  # and `ops.materialize_direct` by
 
 
-def _call_directly(leaves: list) -> None:
-    """Inductor's Python wrapper calls `ops.transfer_direct` itself, not the op: an op call from the generated
-    code goes through ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the returned
-    leaves, and back into Python (about 6 µs per group on this CPU, more than the transfer's own work). Both run
-    `OffloadRuntime.run_transfer`, so nothing else changes. An IR this function does not recognise (a torch
-    version that shapes it otherwise) keeps the op: correct, only slower. (Our graphs never use inductor's C++
-    wrapper: `_INDUCTOR_CONFIG`.)"""
-    kernel = _fallback_kernel(leaves)
+def _call_directly(output, function, name: str) -> None:
+    """Inductor's Python wrapper calls ``function`` itself (`ops.transfer_direct`, `ops.materialize_direct`),
+    not the op whose extern kernel made ``output``: an op call from the generated code goes through
+    ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the results, and back into Python
+    (about 6 µs per transfer and 1 µs per copy on this CPU; a decode token makes 75 copies). Each does what
+    the op does, so nothing else changes. An IR this function does not recognise (a torch version that shapes
+    it otherwise) keeps the op: correct, only slower. (Our graphs never use inductor's C++ wrapper:
+    `_INDUCTOR_CONFIG`.)"""
+    kernel = _fallback_kernel(output)
     if kernel is None:
         return
     codegen = kernel.codegen
@@ -193,17 +232,16 @@ def _call_directly(leaves: list) -> None:
     def direct_codegen(wrapper) -> None:
         graph = inductor_graph()
         if not graph.cpp_wrapper and not getattr(graph, "fx_wrapper", False):
-            wrapper.add_import_once(f"from {transfer_direct.__module__} import "
-                                    f"{transfer_direct.__name__} as {DIRECT_TRANSFER}")
-            kernel.python_kernel_name = DIRECT_TRANSFER
+            wrapper.add_import_once(f"from {function.__module__} import {function.__name__} as {name}")
+            kernel.python_kernel_name = name
         codegen(wrapper)
 
     kernel.codegen = direct_codegen
 
 
-def _fallback_kernel(leaves: list):
-    """The one extern kernel whose outputs ``leaves`` are (TensorBox → StorageBox → MultiOutput → kernel)."""
-    node = leaves[0] if leaves else None
+def _fallback_kernel(output):
+    """The one extern kernel whose output ``output`` is (TensorBox → StorageBox → MultiOutput → kernel)."""
+    node = output
     for _ in range(2):
         node = getattr(node, "data", None)
     kernel = next(iter(getattr(node, "inputs", None) or ()), None)

@@ -13,7 +13,9 @@ import torch
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats, reset_offload_stats
 from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
-from offload_compiler.lowering import DIRECT_TRANSFER, lower_for_eager
+from offload_compiler import lowering
+from offload_compiler.host_masters import HostMaster
+from offload_compiler.lowering import DIRECT_MATERIALIZE, DIRECT_TRANSFER, lower_for_eager
 from offload_compiler.passes.fuse import fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, assert_traffic_matches_plan, \
@@ -235,17 +237,23 @@ def test_inductor_runtime_checks_pass_and_unaligned_leaves_are_declared(monkeypa
     assert code.count("assert_alignment(") >= len(leaves) - len(unaligned)
 
 
-def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_sees_each_one():
+def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_sees_each_one(monkeypatch):
     """Also: the offloaded graph goes into torch's FX-graph and AOT-autograd caches (a host master's layout keys
-    it, its flatten context pickles), so a second process compiles nothing (benchmarks/compile_cache.py)."""
+    it, its flatten context pickles), so a second process compiles nothing (benchmarks/compile_cache.py); and
+    inductor is handed no host master (the graph reads the transfers' leaves, never the weights themselves)."""
     from torch._dynamo.utils import counters
     model, x = build_block_model(SPEC, 5)
     expected = model(x).detach()
     m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor"))
     from torch._inductor.utils import run_and_get_code
+    handed = []
+    compile_with_inductor = lowering.inductor_compile
+    monkeypatch.setattr(lowering, "inductor_compile", lambda gm, inputs, **kw: handed.append(inputs) or
+                        compile_with_inductor(gm, inputs, **kw))
     counters.clear()
     with torch.no_grad():
         out, (code, *_) = run_and_get_code(m, x)
+    assert len(handed) == 1 and any(t is x for t in handed[0]) and not any(isinstance(t, HostMaster) for t in handed[0])
     # saved by this compile, or found there by one of an earlier run sharing the cache directory
     aot, fx = counters["aot_autograd"], counters["inductor"]
     assert aot["autograd_cache_saved"] + aot["autograd_cache_hit"] == 1
@@ -282,7 +290,6 @@ def test_a_global_cpp_wrapper_does_not_reach_our_graphs():
     assert_traffic_matches_plan(m)
 
 
-MATERIALIZE_CALL = "offload_compiler.materialize.default"  # how either wrapper (Python, C++) names a call of the op
 
 
 def _post_norm_stack():
@@ -320,7 +327,8 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
         m = offload_compile(copy.deepcopy(model), policy)
         out, (code, *_) = run_and_get_code(m, *args, **kwargs)
         again = m(*args, **kwargs)
-    assert MATERIALIZE_CALL in code and f"= {DIRECT_TRANSFER}(" in code
+    assert f"= {DIRECT_MATERIALIZE}(" in code and f"= {DIRECT_TRANSFER}(" in code
+    assert "torch.ops.offload_compiler.materialize.default(" not in code  # called past the dispatcher
     for got in (_tensor(out), _tensor(again)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)  # NaN fails it
     assert_traffic_matches_plan(m)
