@@ -1,8 +1,8 @@
 """The fixed host work around every offloaded call (CPU), piece by piece, on host_overhead.py's stack.
 
 Each offloaded call, before and after its graph runs, does per-call work that does not depend on the model's
-compute: it swaps the installed forwards for the objects dynamo traces through and back
-(`OffloadState.tracing_through`; the piece keeps its earlier name, from when it lifted per-module routed parts), enters what dynamo's config needs for the call (`_torch_private.config_for_call`:
+compute: it marks the thread as inside an offloaded call (`OffloadState.tracing_through`; the piece keeps its
+earlier name, from when it lifted per-module routed parts), enters what dynamo's config needs for the call (`_torch_private.config_for_call`:
 nothing on a steady call, since our compiles carry `_torch_private.capture_config` themselves; a library without it
 entered that config patch around every call), snapshots dynamo's graph-break counters, and checks every hook
 dict (`HookWatch.change`, twice); it also looks at every tensor among the call's arguments (moved to the device

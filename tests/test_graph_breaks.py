@@ -204,9 +204,10 @@ def test_a_forward_run_without_any_graph_streams_and_is_not_refused():
     with torch.no_grad():
         expected = model(x)
     m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
-    with pytest.warns(UserWarning, match=r"without a graph.*blocks\.0.*on demand for each op \(64 B in 2 ops"), \
-            torch.no_grad():
+    with pytest.warns(UserWarning, match=r"without a graph.*blocks\.0.*on demand for each op \(64 B in 2 ops") as \
+            caught, torch.no_grad():
         assert torch.equal(m(x), expected)
+    assert [w.filename for w in caught if "without a graph" in str(w.message)] == [__file__]  # the user's line
     assert offload_stats(m).on_demand_bytes == 64
     assert_traffic_matches_plan(m)
 

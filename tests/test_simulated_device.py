@@ -534,6 +534,22 @@ def test_auto_times_its_calls_through_the_device_module_and_not_inside_a_capture
     torch.testing.assert_close(out.cpu(), _plain(model, x))
 
 
+def test_inputs_on_the_host_are_moved_to_the_device_with_one_warning_naming_the_users_line():
+    """The model called directly and one of its parts called by hand, both with host inputs: each input is
+    moved to the device (outputs as the plain model's), and one warning names the line that made the call."""
+    import warnings
+    model, x = _model()
+    m = offload_compile(copy.deepcopy(model).eval(), _policy())
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        got = m(x)
+        m.blocks[0](torch.ones_like(x))
+    torch.testing.assert_close(got.cpu(), _plain(model, x))
+    moved = [w for w in caught if "were moved to the compute device" in str(w.message)]
+    assert len(moved) >= 1 and {w.filename for w in moved} == {__file__}  # the user's line, not torch's or ours
+    assert_traffic_matches_plan(m)
+
+
 @pytest.mark.xfail(strict=True, reason="the user's own dynamo trace of torch.compile(backend='omni_offload') meets "
                    "plain host weights with device inputs before the backend runs, and fake tensors refuse the mix "
                    "(the same on CUDA); offload_compile makes host masters (device weights) before any trace")

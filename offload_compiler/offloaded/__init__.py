@@ -15,11 +15,12 @@ How a call reaches the weights, route by route:
   method of the model, from its forward reached around the instance attribute): its class is swapped for a
   routed class (`RoutedPart`, one per class), whose ``forward`` runs that module's own offloaded graph;
 - the user's ``torch.compile`` around the model (or around code calling it): `_OffloadedForward.__call__`
-  is ``torch.compiler.disable``d, so the model is a clean boundary in the user's graph (its own graph runs,
-  already compiled as the policy says); under ``fullgraph=True`` dynamo's error names the reason;
-- our own capture: while the model's graph is captured or run, the installed forwards are swapped for
-  `_TraceThrough` objects, which dynamo traces into (one graph per call, no break per container), as it traces
-  through the routed classes' ``forward`` into each part's own (the same code and class for every layer of a
+  calls a ``torch.compiler.disable``d function there, so the model is a clean boundary in the user's graph
+  (its own graph runs, already compiled as the policy says); under ``fullgraph=True`` dynamo's error names the
+  reason;
+- our own capture: where dynamo traces one of our offloaded calls (a trace-time constant, not a guard), the
+  installed forwards' ``__call__`` traces into the module's code (one graph per call, no break per container),
+  as the routed classes' ``forward`` traces into each part's own (the same code and class for every layer of a
   stack, so a block marked with ``torch.compiler.nested_compile_region`` is traced once and reused);
 - part of the forward run by dynamo without a graph (a graph break inside a loop): the modules it calls are
   parts called from Python, so each runs its own offloaded graph (slower, module by module), and a weight it

@@ -4,6 +4,8 @@ inputs described in a short error, its outputs marked inference-only."""
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -12,6 +14,19 @@ from .._torch_private import pytree
 from ..errors import OffloadRefusal
 
 _ATOMS = (bool, int, float, str, type(None))
+_LIBRARIES = ("torch", __package__.rsplit(".", 1)[0], "transformers", "diffusers")  # between the user and a call
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning given by the caller of this function that names the user's line: the
+    first frame outside this package and the libraries that call models (a model called directly, a part
+    called by hand, from ``generate`` or a pipeline, through ``torch.compile``'s wrapper: each adds frames)."""
+    libraries = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep for name in _LIBRARIES
+                      if getattr(sys.modules.get(name), "__file__", None))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(libraries):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def tensor_leaves(tree: Any) -> Iterator[torch.Tensor]:

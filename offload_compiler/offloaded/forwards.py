@@ -1,9 +1,8 @@
 """The callables installed on an offloaded model's modules, and their installation.
 
 - `_OffloadedForward`: a module's forward (or entry method) while offloaded; runs the module's own offloaded
-  graph, compiled at its first call;
-- `_TraceThrough`: what an installed forward is while its model's own graph is captured or run (dynamo traces
-  into the module's code);
+  graph, compiled at its first call; where dynamo traces one of our offloaded calls, it traces into the module's
+  code instead;
 - `RoutedPart`: the base of the class every other module holding offloaded weights gets (`routed_class`, one per
   class); its forward is traced into inside an offloaded call, and runs the module's own offloaded graph when
   called from Python.
@@ -34,7 +33,7 @@ from ..planning.auto import OffloadPlan
 from ..planning.capture import own_frame
 from ..runtime import OffloadRuntime
 from .auto_plan import plan_component, plan_model
-from .call_io import describe_inputs, inference_only, moved_to, tensor_leaves
+from .call_io import describe_inputs, inference_only, moved_to, tensor_leaves, user_stacklevel
 from .state import OFFLOADED_CALLS, OWN_FORWARD, PART_OF, OffloadState
 from .targets import entry_methods, modules_with_forwards, region_blocks, weight_holders
 
@@ -57,7 +56,6 @@ class _OffloadedForward:
         self._warned_inputs = False
         self.previous = function  # what the instance set as this method before offloading (given back at detach)
         self.forward = function if function is not None else getattr(type(module), method).__get__(module)
-        self.through = _TraceThrough(self)
         self._compiled = None
         try:  # inspect.signature(m.forward) is the method's own (transformers' generate checks kwargs against it)
             self.__signature__ = inspect.signature(self.forward)
@@ -131,7 +129,13 @@ class _OffloadedForward:
         """The plain module's outputs would require grad for its weights: grad mode on, a weight requiring it."""
         return torch.is_grad_enabled() and any(p.requires_grad for p in self._module.parameters())
 
-    __call__ = torch.compiler.disable(_call, reason=BOUNDARY)
+    _boundary = torch.compiler.disable(_call, reason=BOUNDARY)
+
+    @inlined_only  # called from Python -- by the user, or from a frame dynamo runs without a graph -- it is a call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and _tracing_an_offloaded_call():  # our own capture: one graph, the
+            return self.forward(*args, **kwargs)  # module's code traced into, no break per container
+        return self._boundary(*args, **kwargs)  # the user's torch.compile around it: a graph boundary
 
     def _compile(self, runtime: OffloadRuntime) -> Any:
         """The module's forward compiled with our backend; dynamo's raised limits and logging calls traced as no-ops
@@ -192,7 +196,7 @@ class _OffloadedForward:
         if moved and not self._warned_inputs:
             self._warned_inputs = True
             warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
-                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=5)
+                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=user_stacklevel())
         return args, kwargs, needs_grad
 
 
@@ -209,20 +213,6 @@ def _tracing_an_offloaded_call() -> bool:
     inside offloaded calls) rather than the user's ``torch.compile`` of code that calls a part. A constant of
     the graph, not a guard checked at each call."""
     return getattr(OFFLOADED_CALLS, "depth", 0) > 0
-
-
-class _TraceThrough:
-    """An installed forward while its model's own graph is captured or run: dynamo traces into the module's
-    code; called from Python meanwhile (code dynamo ran between graphs, another thread) it takes the
-    offloaded route."""
-
-    def __init__(self, offloaded: _OffloadedForward) -> None:
-        self._offloaded = offloaded
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return self._offloaded.forward(*args, **kwargs)
-        return self._offloaded(*args, **kwargs)
 
 
 class RoutedPart(nn.Module):
@@ -381,7 +371,7 @@ def _warn_regions_off(state: OffloadState, refused: BaseException) -> None:
     """The call made again with the blocks inline succeeded: say once that regions are off, and why."""
     warnings.warn(f"offload_compiler: regional compilation is off for {state.name}: dynamo could not trace its "
                   f"blocks as reusable regions ({short_reason(str(refused))}); each block is traced inline "
-                  f"instead (a longer first capture, the same streaming)", UserWarning, stacklevel=6)  # the user's call
+                  f"instead (a longer first capture, the same streaming)", UserWarning, stacklevel=user_stacklevel())
 
 
 def add_method(state: OffloadState, module: nn.Module, method: str) -> None:

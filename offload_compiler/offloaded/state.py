@@ -20,6 +20,7 @@ from ..errors import OffloadRefusal
 from ..planning.auto import OffloadPlan, planned_runtime
 from ..policy import OffloadPolicy
 from ..runtime import OffloadRuntime
+from .call_io import user_stacklevel
 from .hooks import HOOKS_REFUSED, HookWatch
 from .outside import Outside, size_text
 from .pipeline import pipeline_runtime
@@ -253,10 +254,7 @@ class OffloadState:
     @contextlib.contextmanager
     def tracing_through(self) -> Iterator[None]:
         """While our own graph is captured or run, dynamo traces into the installed forwards and routed parts
-        (and nothing is refused: the graph fetches what it reads)."""
-        saved = [(key, key[0].__dict__.get(key[1])) for key in self.forwards]
-        for (module, method), forward in self.forwards.items():
-            module.__dict__[method] = forward.through
+        (`forwards._tracing_an_offloaded_call`), and nothing is refused: the graph fetches what it reads."""
         self.call_depth += 1
         OFFLOADED_CALLS.depth += 1
         try:
@@ -264,8 +262,6 @@ class OffloadState:
         finally:
             OFFLOADED_CALLS.depth -= 1
             self.call_depth -= 1
-            for (module, method), previous in saved:
-                module.__dict__[method] = previous
 
     def adopt_hooks(self) -> None:
         """At the end of an offloaded call: hooks that the model's own forward registered or removed during it are
@@ -299,7 +295,7 @@ class OffloadState:
             f"without a graph: a graph break inside a loop, or a frame past its recompile limit); it still "
             f"streamed: {'; '.join(what)}. Slower, like a hook-based offloader, for that code only. Make that code "
             f"traceable to stream it within one graph (TORCH_LOGS=graph_breaks shows where)", UserWarning,
-            stacklevel=5)  # the user's line calling the model, through `end_call` and the offloaded call
+            stacklevel=user_stacklevel())
 
 
 def state_of(obj: Any) -> OffloadState | None:
