@@ -35,7 +35,7 @@ import torch.fx as fx
 from ._registry import runtime_by_id
 from ._torch_private import inductor_compile, inductor_fallback, inductor_graph, is_inductor_fallback_kernel, \
     register_inductor_lowering
-from .ops import materialize_direct, transfer_direct
+from .ops import linear_direct, materialize_direct, transfer_direct
 from .passes.fuse import fuse_transfers
 from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
                            transfer_view)
@@ -182,12 +182,13 @@ def register_transfer_lowering() -> None:
     """Lower ``transfer`` as the extern call it is, and mark its leaves: never reused for another value
     (they are device slots the runtime owns: inductor reusing one for an activation, or writing in place
     into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is. ``materialize``
-    stays the extern call (a copy) it is, called past the dispatcher as the transfer is."""
+    and ``linear`` stay the extern calls they are, called past the dispatcher as the transfer is."""
     global _registered
     if _registered:
         return
     fallback = inductor_fallback(OPS.transfer.default)
     copy_fallback = inductor_fallback(OPS.materialize.default)
+    linear_fallback = inductor_fallback(OPS.linear.default)
 
     @register_inductor_lowering(OPS.transfer.default)
     def transfer(runtime: int, plan: int, deps: list):
@@ -201,6 +202,8 @@ def register_transfer_lowering() -> None:
             graph.never_reuse_buffers.add(name)
             if leaf.offset * group.buckets[leaf.bucket].dtype.itemsize % ALIGNMENT:
                 graph.unaligned_buffers.add(name)
+            else:  # inductor assumes an extern output with an unaligned input (a dep) may be a view of it
+                graph.unaligned_buffers.discard(name)
         return leaves
 
     @register_inductor_lowering(OPS.materialize.default)
@@ -209,11 +212,19 @@ def register_transfer_lowering() -> None:
         _call_directly(copied, materialize_direct, DIRECT_MATERIALIZE)
         return copied
 
+    @register_inductor_lowering(OPS.linear.default)
+    def linear(input, weight, bias=None):
+        out = linear_fallback(input, weight, bias)
+        _call_directly(out, linear_direct, DIRECT_LINEAR)
+        inductor_graph().unaligned_buffers.discard(out.get_name())  # a new tensor, never a view of an input
+        return out
+
     _registered = True
 
 
 DIRECT_TRANSFER = "offload_transfer"  # the names inductor's generated Python code calls `ops.transfer_direct`
-DIRECT_MATERIALIZE = "offload_materialize"  # and `ops.materialize_direct` by
+DIRECT_MATERIALIZE = "offload_materialize"  # `ops.materialize_direct`
+DIRECT_LINEAR = "offload_linear"  # and `ops.linear_direct` by
 
 
 def _call_directly(output, function, name: str) -> None:

@@ -15,7 +15,7 @@ from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
 from offload_compiler import lowering
 from offload_compiler.host_masters import HostMaster
-from offload_compiler.lowering import DIRECT_MATERIALIZE, DIRECT_TRANSFER, lower_for_eager
+from offload_compiler.lowering import DIRECT_LINEAR, DIRECT_MATERIALIZE, DIRECT_TRANSFER, lower_for_eager
 from offload_compiler.passes.fuse import fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, assert_traffic_matches_plan, \
@@ -321,6 +321,9 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
     gm, inputs = capture(model, *args, **kwargs)
     rewritten, _, _ = rewrite_graph(gm, inputs, OffloadRuntime(policy, plan_groups(model, policy), pack_now=False))
     assert _count(rewritten, OPS.materialize.default) > 0
+    # every linear reader is our opaque linear (a buffer of its own: no copy), every other reader copied
+    linears = _count(rewritten, OPS.linear.default)
+    assert linears > 0 and _count(rewritten, torch.nn.functional.linear) == 0
     torch._dynamo.reset()
     with torch.no_grad():
         expected = _tensor(copy.deepcopy(model)(*args, **kwargs))
@@ -328,9 +331,34 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
         out, (code, *_) = run_and_get_code(m, *args, **kwargs)
         again = m(*args, **kwargs)
     assert f"= {DIRECT_MATERIALIZE}(" in code and f"= {DIRECT_TRANSFER}(" in code
+    assert code.count(f"= {DIRECT_LINEAR}(") == linears
+    assert "torch.ops.offload_compiler.linear.default(" not in code  # called past the dispatcher
     assert "torch.ops.offload_compiler.materialize.default(" not in code  # called past the dispatcher
     for got in (_tensor(out), _tensor(again)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)  # NaN fails it
+    assert_traffic_matches_plan(m)
+
+
+@pytest.mark.slow  # an inductor compile
+def test_a_linear_under_autocast_is_copied_not_made_opaque():
+    """Under autocast a linear's inputs are cast inside it (float32 weight, bfloat16 result): our opaque linear,
+    which computes in its inputs' dtype, would not, so such a reader is copied (`ops.materialize`) as any other
+    reader is. Outputs equal the plain model's under the same autocast, evicted slots poisoned."""
+    from capture import capture
+    model, x = build_block_model(SPEC, 4)
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor", debug_poison=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm, inputs = capture(model, x)
+        rewritten, _, _ = rewrite_graph(gm, inputs, OffloadRuntime(policy, plan_groups(model, policy),
+                                                                   pack_now=False))
+        assert _count(rewritten, OPS.linear.default) == 0 and _count(rewritten, OPS.materialize.default) > 0
+        torch._dynamo.reset()
+        with torch.no_grad():
+            expected = copy.deepcopy(model)(x)
+            m = offload_compile(copy.deepcopy(model), policy)
+            got = m(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected)
     assert_traffic_matches_plan(m)
 
 

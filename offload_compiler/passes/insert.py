@@ -76,7 +76,7 @@ def _plain_readers(graph: fx.Graph, leaves: list[fx.Node]) -> list[fx.Node]:
 
 def needs_materializing(reader: fx.Node) -> bool:
     """Under inductor every weight reader with a tensor value is copied (`ops.materialize`, an extern call) and
-    later nodes read the copy. Which ops get a buffer of their own and which inductor re-computes inside a
+    later nodes read the copy (a linear of one dtype instead becomes our opaque linear: `is_opaque_linear`). Which ops get a buffer of their own and which inductor re-computes inside a
     consumer's kernel (a pointwise reader, a gather, a matmul with one row decomposed into a product and a sum, a
     bias added in the next kernel) is inductor's choice, made per shape, device and config; a re-computation may
     run after the weight's evict and read a freed slot. With the copy the order holds whatever inductor chooses.
@@ -86,6 +86,30 @@ def needs_materializing(reader: fx.Node) -> bool:
     value = _value(reader)
     return (reader.op in ("call_function", "call_method") and isinstance(value, torch.Tensor)
             and not is_traceable_subclass(value))
+
+
+_LINEARS = (torch.nn.functional.linear,)  # how dynamo's graphs call ``nn.Linear`` and ``F.linear``
+_LINEAR_ARGS = ("input", "weight", "bias")
+
+
+def _linear_args(node: fx.Node) -> list | None:
+    """A linear's (input, weight[, bias]) as positional arguments; None for any other node."""
+    if node.op != "call_function" or node.target not in _LINEARS or set(node.kwargs) - set(_LINEAR_ARGS):
+        return None
+    args = list(node.args) + [node.kwargs[name] for name in _LINEAR_ARGS[len(node.args):] if name in node.kwargs]
+    return args if 2 <= len(args) <= 3 else None
+
+
+def is_opaque_linear(reader: fx.Node) -> bool:
+    """A linear reader (``F.linear``: every ``nn.Linear``) whose inputs and value are plain tensors of one dtype
+    -- so no autocast region casts inside it -- becomes our opaque `ops.linear` instead of being copied: its
+    result is then a buffer of its own by construction, and no copy is needed (7 of a Llama layer's 9 readers)."""
+    args = _linear_args(reader)
+    if args is None:
+        return False
+    values = [_value(a) for a in args if a is not None] + [_value(reader)]
+    return (all(isinstance(v, torch.Tensor) and not is_traceable_subclass(v) for v in values)
+            and len({v.dtype for v in values}) == 1)
 
 
 def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], schedule: Schedule,
@@ -170,7 +194,10 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
             break
         env[node] = graph.node_copy(
             node, lambda arg: weight_arg(node, arg) if arg in weights else env[arg])
-        if node in to_materialize:  # the evict follows the copy: under inductor the reader itself may be no
+        if node in to_materialize and is_opaque_linear(node):
+            made = env[node]
+            made.target, made.args, made.kwargs = OPS.linear.default, tuple(_linear_args(made)), {}
+        elif node in to_materialize:  # the evict follows the copy: under inductor the reader itself may be no
             copied = graph.call_function(OPS.materialize.default, (env[node],))  # buffer but a view of the weight
             copied.meta["example_value"] = _value(node)
             env[node] = copied
