@@ -35,7 +35,7 @@ import torch.fx as fx
 from ._registry import runtime_by_id
 from ._torch_private import inductor_compile, inductor_fallback, inductor_graph, is_inductor_fallback_kernel, \
     register_inductor_lowering
-from .ops import linear_direct, materialize_direct, transfer_direct
+from .ops import linear, materialize, transfer_direct
 from .passes.fuse import fuse_transfers
 from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
                            transfer_view)
@@ -207,15 +207,15 @@ def register_transfer_lowering() -> None:
         return leaves
 
     @register_inductor_lowering(OPS.materialize.default)
-    def materialize(value):
+    def lower_materialize(value):
         copied = copy_fallback(value)
-        _call_directly(copied, materialize_direct, DIRECT_MATERIALIZE)
+        _call_directly(copied, materialize, DIRECT_MATERIALIZE)
         return copied
 
     @register_inductor_lowering(OPS.linear.default)
-    def linear(input, weight, bias=None):
+    def lower_linear(input, weight, bias=None):
         out = linear_fallback(input, weight, bias)
-        _call_directly(out, linear_direct, DIRECT_LINEAR)
+        _call_directly(out, linear, DIRECT_LINEAR)
         inductor_graph().unaligned_buffers.discard(out.get_name())  # a new tensor, never a view of an input
         return out
 
@@ -223,12 +223,13 @@ def register_transfer_lowering() -> None:
 
 
 DIRECT_TRANSFER = "offload_transfer"  # the names inductor's generated Python code calls `ops.transfer_direct`
-DIRECT_MATERIALIZE = "offload_materialize"  # `ops.materialize_direct`
-DIRECT_LINEAR = "offload_linear"  # and `ops.linear_direct` by
+DIRECT_MATERIALIZE = "offload_materialize"  # the op's own `ops.materialize`
+DIRECT_LINEAR = "offload_linear"  # and the op's own `ops.linear` by
 
 
 def _call_directly(output, function, name: str) -> None:
-    """Inductor's Python wrapper calls ``function`` itself (`ops.transfer_direct`, `ops.materialize_direct`),
+    """Inductor's Python wrapper calls ``function`` itself (`ops.transfer_direct`, or the op's own Python
+    implementation: `ops.materialize`, `ops.linear`),
     not the op whose extern kernel made ``output``: an op call from the generated code goes through
     ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the results, and back into Python
     (about 6 µs per transfer and 1 µs per copy on this CPU; a decode token makes 75 copies). Each does what

@@ -153,18 +153,10 @@ _define("materialize(Tensor value) -> Tensor", materialize, torch.empty_like)
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` as one opaque op: a streamed weight's linear reader under inductor (`passes.insert`). Its
     result is always a buffer of its own, computed when the op runs, so the weight's evict can follow it
-    with no copy (`materialize`); inductor cannot re-compute it inside a later kernel."""
+    with no copy (`materialize`); inductor cannot re-compute it inside a later kernel. Its own fake: ``F.linear``
+    computes on fake tensors."""
     return torch.nn.functional.linear(input, weight, bias)
 
 
 _define("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", linear, linear)
 
-
-def linear_direct(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` as inductor's generated code calls it, past the dispatcher (`lowering._call_directly`)."""
-    return torch.nn.functional.linear(input, weight, bias)
-
-
-def materialize_direct(value: torch.Tensor) -> torch.Tensor:
-    """`materialize` as inductor's generated code calls it, past the dispatcher (`lowering._call_directly`)."""
-    return value.clone()

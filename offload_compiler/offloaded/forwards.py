@@ -196,7 +196,8 @@ class _OffloadedForward:
         if moved and not self._warned_inputs:
             self._warned_inputs = True
             warnings.warn(f"offload_compiler: inputs on {sorted(set(moved))} were moved to the compute device "
-                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning, stacklevel=user_stacklevel())
+                          f"{device}; pass them on {device} to avoid the copy", RuntimeWarning,
+                          stacklevel=user_stacklevel())
         return args, kwargs, needs_grad
 
 

@@ -76,7 +76,8 @@ def _plain_readers(graph: fx.Graph, leaves: list[fx.Node]) -> list[fx.Node]:
 
 def needs_materializing(reader: fx.Node) -> bool:
     """Under inductor every weight reader with a tensor value is copied (`ops.materialize`, an extern call) and
-    later nodes read the copy (a linear of one dtype instead becomes our opaque linear: `is_opaque_linear`). Which ops get a buffer of their own and which inductor re-computes inside a
+    later nodes read the copy (a linear of one dtype instead becomes our opaque linear: `is_opaque_linear`).
+    Which ops get a buffer of their own and which inductor re-computes inside a
     consumer's kernel (a pointwise reader, a gather, a matmul with one row decomposed into a product and a sum, a
     bias added in the next kernel) is inductor's choice, made per shape, device and config; a re-computation may
     run after the weight's evict and read a freed slot. With the copy the order holds whatever inductor chooses.
