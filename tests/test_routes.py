@@ -569,23 +569,26 @@ def test_blocks_marked_as_a_nested_compile_region_each_run_on_their_own_weights(
 
 
 @users_regions_fail_on_this_torch
-def test_a_part_whose_instance_set_its_own_forward_runs_it_and_gets_it_back():
+@pytest.mark.parametrize("regional", [False, pytest.param(True, marks=needs_regions)])
+def test_a_part_whose_instance_set_its_own_forward_runs_it_and_gets_it_back(regional):
     """A block whose ``forward`` was set on the instance (a wrapper of the user's) runs that wrapper, traced inside
-    the model's graph and when called by hand; `remove_offload` gives it back, and the block its own class."""
-    model = _Blocks(_RegionBlock, depth=2).eval()
+    the model's graph (also where its stack's other blocks are regions) and when called by hand; `remove_offload`
+    gives it back, and the block its own class."""
+    base = _PlainBlock if regional else _RegionBlock
+    model = _Blocks(base, depth=2).eval()
     block = model.blocks[1]
-    block.forward = wrapper = lambda x: _RegionBlock.forward(block, x) * 2  # noqa: E731
+    block.forward = wrapper = lambda x: base.forward(block, x) * 2  # noqa: E731
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         expected, expected_block = model(x), block(x)
-        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", regional=regional))
         assert torch.equal(m(x), expected)
-        assert type(m.blocks[1]) is not _RegionBlock and isinstance(m.blocks[1], _RegionBlock)
+        assert type(m.blocks[1]) is not base and isinstance(m.blocks[1], base)
         reset_offload_stats(m)
         assert torch.equal(m.blocks[1](x), expected_block)  # by hand: the block's own offloaded graph
         assert offload_stats(m).bytes_transferred == sum(p.numel() * 4 for p in block.parameters())
     plain = remove_offload(m)
-    assert type(plain.blocks[1]) is _RegionBlock and plain.blocks[1].__dict__["forward"] is wrapper
+    assert type(plain.blocks[1]) is base and plain.blocks[1].__dict__["forward"] is wrapper
 
 
 def _captured_regions(monkeypatch) -> list:
@@ -728,3 +731,36 @@ def test_regional_on_a_pipeline_streams_every_component_and_falls_back_where_a_b
         again = denoise_and_decode(p.text_encoder, p.transformer, p.vae, inputs["input_ids"], inputs["latents"], 2)
     assert torch.equal(again, expected)
     assert assert_traffic_matches_plan(p, resident_filled=True).fetch_count > 0
+
+
+def _guards_kept(monkeypatch, depth: int) -> tuple[int, int]:
+    """(guards of the plain model's ``torch.compile``, guards our capture of the offloaded model keeps), a
+    `_Blocks` stack of ``depth`` plain blocks, counted through the ``guard_filter_fn`` option both compiles take."""
+    import offload_compiler.offloaded.forwards as forwards
+    from offload_compiler.host_masters import keep_guards
+    counts = {"plain": 0, "ours": 0}
+
+    def counting(name, keep):
+        def guard_filter(entries):
+            kept = keep(entries)
+            counts[name] += sum(kept)
+            return kept
+        return guard_filter
+    model, x = _Blocks(_PlainBlock, depth=depth).eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.compile(copy.deepcopy(model), backend="eager",
+                      options={"guard_filter_fn": counting("plain", lambda entries: [True] * len(entries))})(x)
+        monkeypatch.setattr(forwards, "_PART_GUARD_OPTIONS", {"guard_filter_fn": counting("ours", keep_guards)})
+        offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))(x)
+    return counts["plain"], counts["ours"]
+
+
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="guard filters take effect from torch 2.13 (host_masters)")
+def test_routing_a_part_guards_nothing_per_module_beyond_the_plain_models_graph(monkeypatch):
+    """Every weight holder of an offloaded model is a routed part; where dynamo traces an offloaded call, the part's
+    forward chooses what it traces into by its class alone, so the graph guards no more per module than the plain
+    model's: the guards our capture keeps exceed the plain compile's by the same count at any depth."""
+    plain_2, ours_2 = _guards_kept(monkeypatch, 2)
+    plain_6, ours_6 = _guards_kept(monkeypatch, 6)
+    assert plain_6 > plain_2  # guards per block: what the comparison is about
+    assert ours_6 - plain_6 == ours_2 - plain_2

@@ -16,7 +16,6 @@ import contextlib
 import copy
 import inspect
 import logging
-import types
 import warnings
 from typing import Any
 
@@ -227,21 +226,9 @@ class RoutedPart(nn.Module):
 
     The routing is the class's, not an object's per module: every layer of a stack traces through the same
     code and class, so dynamo can reuse one captured block for all of them (``torch.compiler.nested_compile_region``)
-    and guards nothing per module beyond what the plain model's graph guards."""
+    and guards nothing per module beyond what the plain model's graph guards. The forward is `_routed_forward`'s."""
 
-    _offload_own_forward = None  # a forward the instance set before offloading (`OWN_FORWARD`), run in its place
     _offload_region = None  # the class's forward as a nested compile region (`routed_class(cls, region=True)`)
-
-    @inlined_only  # called from a frame dynamo runs without a graph: Python, so the module's own graph runs
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and _tracing_an_offloaded_call():
-            own = self._offload_own_forward
-            if own is not None:
-                return own(*args, **kwargs)
-            if self._offload_region is not None:  # traced once per class, reused with each block's weights
-                return self._offload_region(*args, **kwargs)
-            return super(RoutedPart, self).forward(*args, **kwargs)
-        return _route(self, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """A copy of a part (``copy.deepcopy(m.model.layers[0])``) is a plain module of its own class."""
@@ -274,24 +261,53 @@ class RoutedPart(nn.Module):
 _ROUTED: dict[type, type] = {}
 
 
-def routed_class(cls: type, region: bool = False) -> type:
-    """The class a routed part of class ``cls`` gets: one per class (and ``region``), made once, with the class's
-    names (in messages and repr, and for libraries that key what they know of a class on its name) and the
-    signature of its forward (``inspect.signature(part.forward)``). ``region``: a block of a stack under
-    ``OffloadPolicy(regional=True)``, traced as a nested compile region of its class."""
-    if (cls, region) not in _ROUTED:
-        forward = RoutedPart.forward  # the same code object for every class: `inlined_only` marks it once
-        forward = types.FunctionType(forward.__code__, forward.__globals__, "forward", forward.__defaults__,
-                                     forward.__closure__)
+def _routed_forward(traced: Any) -> Any:
+    """A routed class's forward. Where dynamo traces an offloaded call it traces straight into ``traced(self,
+    ...)`` -- the class's own forward, its nested compile region, or `_own_forward` -- chosen when the class was
+    made, so the trace reads no attribute of the instance to choose (nor walks the class's MRO) and dynamo
+    guards nothing per module for the choice. Called from Python (by hand, from a method of the model, from a
+    frame of an offloaded call that dynamo runs without a graph), it runs the module's own offloaded graph."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and _tracing_an_offloaded_call():
+            return traced(self, *args, **kwargs)
+        return _route(self, *args, **kwargs)
+    return inlined_only(forward)  # one code object for every routed class: marked once
+
+
+def _own_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What a part whose instance set its own ``forward`` before offloading runs where dynamo traces an offloaded
+    call: that forward (kept aside by `OffloadState.route_part`)."""
+    return module.__dict__[OWN_FORWARD](*args, **kwargs)
+
+
+_ROUTED: dict[tuple, type] = {}
+
+
+def routed_class(cls: type, region: bool = False, own_forward: bool = False) -> type:
+    """The class a routed part of class ``cls`` gets: one per class (and ``region``, ``own_forward``), made once,
+    with the class's names (in messages and repr, and for libraries that key what they know of a class on its
+    name) and the signature of its forward (``inspect.signature(part.forward)``). ``region``: a block of a stack
+    under ``OffloadPolicy(regional=True)``, traced as a nested compile region of its class. ``own_forward``: the
+    instance set a ``forward`` of its own before offloading, which it runs instead of the class's."""
+    key = (cls, region and not own_forward, own_forward)
+    if key not in _ROUTED:
+        if own_forward:
+            traced, region_forward = _own_forward, None
+        elif region:
+            traced = region_forward = torch.compiler.nested_compile_region(cls.forward)
+        else:
+            traced, region_forward = cls.forward, None
+        forward = _routed_forward(traced)
+        forward.__name__ = forward.__qualname__ = "forward"
         try:
             forward.__signature__ = inspect.signature(cls.forward)
         except (TypeError, ValueError):  # no signature to give
             pass
-        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "forward": forward}
-        if region:
-            namespace["_offload_region"] = torch.compiler.nested_compile_region(cls.forward)
-        _ROUTED[(cls, region)] = type(cls.__name__, (RoutedPart, cls), namespace)
-    return _ROUTED[(cls, region)]
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "forward": forward,
+                     "_offload_region": region_forward}
+        _ROUTED[key] = type(cls.__name__, (RoutedPart, cls), namespace)
+    return _ROUTED[key]
 
 
 def base_class(routed: type) -> type:
@@ -354,10 +370,11 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
     regions = region_blocks(state, model)
     for module in weight_holders(state, model):
         if module in state.parts:  # ``auto``, planned now: its blocks may become regions
-            if module in regions and type(module)._offload_region is None:
+            if module in regions and type(module)._offload_region is None and OWN_FORWARD not in module.__dict__:
                 state.reroute(module, routed_class(state.parts[module], region=True))
         elif module not in routed and type(module).forward is not nn.Module.forward:
-            state.route_part(module, routed_class(type(module), region=module in regions))
+            own = "forward" in module.__dict__
+            state.route_part(module, routed_class(type(module), region=module in regions, own_forward=own))
 
 
 def drop_regions(state: OffloadState, failure: BaseException) -> bool:
@@ -365,7 +382,7 @@ def drop_regions(state: OffloadState, failure: BaseException) -> bool:
     views of one tensor: "aliasing during higher order op tracing") -- or failed otherwise where the model's own
     code raised nothing. The blocks are traced inline from then on, for every graph of the model; True if the
     call should be made again."""
-    return is_tracing_error(failure) and state.drop_regions(lambda cls: routed_class(cls))
+    return is_tracing_error(failure) and state.drop_regions(routed_class)
 
 
 def _warn_regions_off(state: OffloadState, refused: BaseException) -> None:
