@@ -3,13 +3,15 @@ forward of ``--tokens`` tokens per call, one torch thread, against
 
   plain                 the model in memory (compute only)
   ours                  offload_compile(layerwise, host_budget_gb=--budget x the model, disk_dir=...)
-  ours-carry            the same with prefetch_next_call=True (a loop of calls: the first group on disk is read
-                        for the next call while this call's last groups compute), timed over `CARRY_CALLS` calls
-                        in a row and the wait for the read the last of them carries (the runtime's
-                        ``wait_for_copies``): every call pays for the read it starts; the first call of a sample
-                        adopts the copy the previous sample carried, as in a loop
-  accelerate-disk       accelerate.disk_offload(model, dir, execution_device="cpu")
-  diffusers-disk        diffusers apply_group_offloading(block_level, 1 block per group, offload_to_disk_path=dir)
+  ours-carry            the same with prefetch_next_call=True: the first group on disk is read for the next call
+                        while this call's last groups compute
+
+Each method is timed over `LOOP_CALLS` calls in a row, as a loop of calls (decoding, denoising) makes them: a
+disk under a virtual machine caches recently read files outside it, where dropping the guest's pages does not
+reach, so a method whose files were just read reads them faster; timed one call at a time between the other
+methods (gigabytes read in between), the same files read 2x slower. Ours' timing ends with the wait for the
+read its last call carries for the next (the runtime's ``wait_for_copies``): every call pays for the read it
+starts, and the first call of a loop adopts what the previous loop carried, as in a longer loop.
 
 and two limits, each max(compute, the time to read the bytes ours reads per call), measured once per round
 (medians over the rounds, as the methods': the disk's bandwidth drifts by 10-20% here): ``limit_reading_its_own_files_s``
@@ -20,10 +22,11 @@ files, and no reader of the model reaches it. Ours reads the token embedding's r
 for the call's tokens, not its table (a lookup: `passes.routed`), so it reads fewer bytes than the groups on disk
 hold; ``limit_reading_every_group_on_disk_s`` is the limit of an offloader that reads each group whole. Before every call of every method, the
 pages of the files it reads are dropped from the page cache (``posix_fadvise``; ours drops its own after each
-read), so each call reads the disk, as a model larger than memory would. The methods are interleaved, call by call, in
-this one process; medians over the rounds.
+read), so each call reads the disk, as a model larger than memory would. The methods are interleaved, loop by loop,
+in this one process; medians over the rounds.
 
     PYTHONPATH=. python benchmarks/disk_tier.py [--hidden 1024] [--layers 12] [--tokens 4] [--rounds 5]
+    PYTHONPATH=. python benchmarks/disk_tier.py --only-ours --rounds 11 --out benchmarks/results/disk_tier_carry.json
 
 With ``--device cuda`` (any accelerator) plain is the model on the device and ours reads each group on disk into
 a host staging buffer on the worker thread, then copies it to the device on the copy stream; the CPU offloaders
@@ -118,10 +121,11 @@ def _read_own_files_seconds(buckets: list, scratch: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-CARRY_CALLS = 6
+LOOP_CALLS = 6
 
 
-def _methods(model, folder: str, budget: float, device: str) -> dict[str, tuple[object, str | None]]:
+def _methods(model, folder: str, budget: float, device: str, others: bool = True
+             ) -> dict[str, tuple[object, str | None]]:
     """name -> (the callable model, the folder whose pages to drop before a call). On a device that is not the
     host: the plain model on the device, and ours (the others offload to the CPU only)."""
     from offload_compiler import OffloadPolicy, offload_compile
@@ -138,7 +142,7 @@ def _methods(model, folder: str, budget: float, device: str) -> dict[str, tuple[
     carry = OffloadPolicy(strategy="layerwise", device=device, host_budget_gb=budget * model_bytes / 2**30,
                           disk_dir=carry_dir, prefetch_next_call=True)
     methods["ours-carry"] = (offload_compile(copy.deepcopy(model), carry), None)
-    if device != "cpu":
+    if device != "cpu" or not others:
         return methods
     try:
         from accelerate import disk_offload
@@ -226,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                              "copied to it; plain and ours only), or 'sim' (the simulated one: a check, not a timing)")
     parser.add_argument("--out", type=Path, default=None, help="default: results/disk_tier[_sim].json")
     parser.add_argument("--per-group", action="store_true", help="one more call of ours, timed group by group")
+    parser.add_argument("--only-ours", action="store_true",
+                        help="plain, ours and ours-carry only: ours with and without prefetch_next_call compared "
+                             "with no other offloader's reads between them (which move what a virtual disk caches)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from offload_compiler import offload_stats, reset_offload_stats
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, 32000, (1, args.tokens), device=device)
     with tempfile.TemporaryDirectory(dir=os.environ.get("DISK_TIER_DIR")) as folder:
-        methods = _methods(model, folder, args.budget, device)
+        methods = _methods(model, folder, args.budget, device, others=not args.only_ours)
         call: Callable[[object], torch.Tensor] = lambda m: m(ids, use_cache=False).logits.cpu()  # noqa: E731
         with torch.no_grad():
             expected = call(methods["plain"][0])
@@ -258,15 +265,14 @@ def main(argv: list[str] | None = None) -> None:
             own_read_times: list[float] = []
             for _ in range(args.rounds):
                 for name, (m, pages) in methods.items():
-                    if pages is not None:
-                        _drop_pages(pages)
-                    calls = CARRY_CALLS if name == "ours-carry" else 1
                     start = time.perf_counter()
-                    for _ in range(calls):
+                    for _ in range(LOOP_CALLS):
+                        if pages is not None:  # (a millisecond, against their reads' hundreds)
+                            _drop_pages(pages)
                         call(m)
-                    if name == "ours-carry":
+                    if name.startswith("ours"):
                         m._offload_runtime.wait_for_copies()
-                    times[name].append((time.perf_counter() - start) / calls)
+                    times[name].append((time.perf_counter() - start) / LOOP_CALLS)
                     if name == "ours" and own_files:  # right after ours' call: the same files, as cached as it saw them
                         own_read_times.append(_read_own_files_seconds(own_files, scratch))
                 read_times.append(_read_seconds(bandwidth_file))
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                                              if limit_own is not None else None),
         "ours_speedup": {name: t / median["ours"] for name, t in median.items()
                          if name not in ("ours", "ours-carry", "plain")},
-        "outputs_equal_plain": outputs, "rounds": args.rounds, "carry_calls_per_sample": CARRY_CALLS,
+        "outputs_equal_plain": outputs, "rounds": args.rounds, "calls_per_sample": LOOP_CALLS,
         "ours_carry_adopted": carry, "times_s": times,
         **({"per_group": per_group} if per_group is not None else {}),
         "targets": {**{f"{name} within 1.2x the limit": median[name] <= 1.2 * limit for name in ("ours", "ours-carry")},

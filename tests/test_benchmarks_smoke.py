@@ -233,7 +233,7 @@ def test_disk_tier_small(tmp_path, device):
     data = json.loads(out.read_text())
     assert all(data["outputs_equal_plain"].values()) and {"plain", "ours", "ours-carry"} <= set(data["median_s"])
     # a call in a loop adopts the first group the call before it read for it (prefetch_next_call)
-    assert data["ours_carry_adopted"]["carry_hits"] >= data["rounds"] * (data["carry_calls_per_sample"] - 1)
+    assert data["ours_carry_adopted"]["carry_hits"] >= data["rounds"] * (data["calls_per_sample"] - 1)
     # every group on disk read once per call: whole, or (the token embedding) the rows of the call's tokens
     assert data["looked_up_groups_on_disk_bytes"] > 0 and data["routed_bytes_per_call"] > 0
     assert data["disk_bytes_read_per_call"] == (data["disk_bytes"] - data["looked_up_groups_on_disk_bytes"]
