@@ -258,9 +258,6 @@ class RoutedPart(nn.Module):
                         f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
 
 
-_ROUTED: dict[type, type] = {}
-
-
 def _routed_forward(traced: Any) -> Any:
     """A routed class's forward. Where dynamo traces an offloaded call it traces straight into ``traced(self,
     ...)`` -- the class's own forward, its nested compile region, or `_own_forward` -- chosen when the class was
