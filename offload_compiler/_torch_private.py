@@ -90,6 +90,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.exc import TorchDynamoException
 
 from .errors import OffloadRefusal
+from .gc_during_capture import DeferFullCollections
 
 _EVAL_FRAME = torch._C._dynamo.eval_frame
 RECOMPILE_LIMIT = 4096  # every offloaded model of one class is a cache entry of the same code object
@@ -381,15 +382,16 @@ def short_reason(text: str) -> str:
 # ---- 6. private config flags: ignore_logging_functions, fake_tensor_prefer_device_type ----------------------
 
 def capture_config(device_type: str | None = None):
-    """Raised recompile limits, and the logging methods traced as no-ops: a ``logger.warning_once`` inside a
-    model's layer loop (transformers' sdpa attention asked for ``output_attentions``) is otherwise a graph
-    break inside a loop, and dynamo runs that frame without a graph, reading the weights from host memory.
+    """Raised recompile limits, full garbage collections deferred (`gc_during_capture`), and the logging methods
+    traced as no-ops: a ``logger.warning_once`` inside a model's layer loop (transformers' sdpa attention asked
+    for ``output_attentions``) is otherwise a graph break inside a loop, and dynamo runs that frame without a
+    graph, reading the weights from host memory.
     With the compute device's type (an accelerator): fake tensors prefer that device where host weights meet
     device inputs (the rewritten graph fetches the weights; fake tensors would refuse the mix)."""
     limits = torch.compiler.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT)
     logging_calls = torch._dynamo.config.patch(ignore_logging_functions=_logging_methods())  # touch point 6
     prefer = prefer_device_while_tracing(device_type)
-    return _Patches(limits, logging_calls, *(() if prefer is _NOTHING else (prefer,)))
+    return _Patches(limits, logging_calls, DeferFullCollections(), *(() if prefer is _NOTHING else (prefer,)))
 
 
 class _Patches:

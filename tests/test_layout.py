@@ -26,7 +26,7 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # Layers, lowest first: a module may import modules of its own layer or of lower layers, never higher ones.
 # A module belongs to the first layer with a prefix equal to its name or to a package above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("policy", ("offload_compiler.policy", "offload_compiler.errors")),
+    ("policy", ("offload_compiler.policy", "offload_compiler.errors", "offload_compiler.gc_during_capture")),
     ("support", ("offload_compiler._tree", "offload_compiler._registry", "offload_compiler._torch_private", "offload_compiler.distributed",
                  "offload_compiler.subclasses", "offload_compiler.components", "offload_compiler.config",
                  "offload_compiler.storage", "offload_compiler.host_masters")),
@@ -45,7 +45,7 @@ RUNTIME_ORDER = ["device", "copier", "layout", "disk", "slots", "pinning", "host
 OFFLOADED_ORDER = ["hooks", "outside", "pipeline", "call_io", "state", "auto_plan", "targets", "forwards", "module",
                    "install", "backend_route"]
 # modules that import nothing of the package
-LEAVES = {"offload_compiler.policy", "offload_compiler.errors"}
+LEAVES = {"offload_compiler.policy", "offload_compiler.errors", "offload_compiler.gc_during_capture"}
 # the only modules allowed to import offload_compiler.testing (demo models, hypothesis helpers)
 TESTING_USERS = ("offload_compiler.testing", "offload_compiler.cli")
 
