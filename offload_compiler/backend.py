@@ -46,26 +46,56 @@ class GraphPlan:
     routed: tuple[RoutedRead, ...] = ()  # expert weights fetched as the experts the router named (`passes.routed`)
 
 
+# where each weight moved to the compute device by `_unmanaged_to_device` was before: model -> {(module, table,
+# name): device}, kept across the runtimes one offload builds (``auto``), given back by `restore_unmanaged`
+_MOVED: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, str, str], tuple[nn.Module, torch.device]]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, move: bool) -> None:
     """Weights in no group (outside the components; buffers with ``offload_buffers=False``) are not managed:
-    they live on the compute device."""
+    they live on the compute device. Where each was is kept for `restore_unmanaged`."""
     device = policy.torch_device
     managed = {id(w.tensor) for spec in specs for w in spec.weights}
     moved: dict[int, torch.Tensor] = {}
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor is None or id(tensor) in managed or tensor.device == device:
-            continue
-        if not move:
-            raise ValueError(f"{name} is outside the offloaded groups, so it must live on {device}, but it is on "
-                             f"{tensor.device}: move the model to {device} before torch.compile, or use offload_compile")
-        on_device = tensor.detach().to(device)
-        try:
-            tensor.data = on_device  # the same object (CPU, CUDA), as nn.Module.to keeps it
-        except RuntimeError:  # ``.data =`` cannot change a PrivateUse1 tensor's device (Ascend's NPU, the simulated
-            # accelerator): a new tensor in its place, as nn.Module.to makes then; ties stay ties
-            moved[id(tensor)] = (nn.Parameter(on_device, requires_grad=tensor.requires_grad)
-                                 if isinstance(tensor, nn.Parameter) else on_device)
-    replace_tensors(model, moved)
+    before = _MOVED.setdefault(model, {})
+    for module in model.modules():
+        for table in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, table).items():
+                if tensor is None or id(tensor) in managed or tensor.device == device:
+                    continue
+                if not move:
+                    raise ValueError(f"{type(module).__name__}.{name} is outside the offloaded groups, so it must live on "
+                                     f"{device}, but it is on {tensor.device}: move the model to {device} before "
+                                     f"torch.compile, or use offload_compile")
+                before.setdefault((id(module), table, name), (module, tensor.device))
+                if id(tensor) not in moved:
+                    moved[id(tensor)] = _moved_to(tensor, device)
+    replace_tensors(model, {i: t for i, t in moved.items() if t is not None})
+
+
+def _moved_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``tensor`` on ``device``: the same object where ``.data =`` can move it (CPU, CUDA), as ``nn.Module.to``
+    keeps it (None returned); else a new tensor to put in its place, as ``nn.Module.to`` makes then (a
+    PrivateUse1 device: Ascend's NPU, the simulated accelerator). Ties stay ties either way."""
+    on_device = tensor.detach().to(device)
+    try:
+        tensor.data = on_device
+        return None
+    except RuntimeError:
+        return nn.Parameter(on_device, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
+            else on_device
+
+
+def restore_unmanaged(model: nn.Module) -> None:
+    """The undo of `_unmanaged_to_device` (at `remove_offload`): every weight it moved to the compute device goes
+    back to the device it was on, with the values it has now."""
+    moved: dict[int, torch.Tensor] = {}
+    for (_, table, name), (module, device) in _MOVED.pop(model, {}).items():
+        tensor = getattr(module, table).get(name)
+        if tensor is not None and tensor.device != device and id(tensor) not in moved:
+            moved[id(tensor)] = _moved_to(tensor, device)
+    replace_tensors(model, {i: t for i, t in moved.items() if t is not None})
 
 
 def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True,

@@ -749,3 +749,33 @@ def test_weights_sharing_bytes_are_copied_from_a_staging_buffer():
     assert offload_stats(m).carry_hits == hits + 1  # the stale carried copy was copied again; the next was not
     plain = remove_offload(m)
     assert plain.a.untyped_storage().data_ptr() == plain.blocks[0].b.untyped_storage().data_ptr()  # still shared
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "alternating", "pipeline-layerwise"])
+def test_remove_offload_gives_weights_kept_on_the_device_back_to_the_host(strategy):
+    """What a strategy keeps on the compute device (the weights outside the components, a pipeline's VAE) moves
+    there at offloading; `remove_offload` moves it back, with its values: the plain model then runs on host
+    inputs as before, every weight bit-for-bit what it was."""
+    from offload_compiler.testing.models import denoise_and_decode, diffusion_pipeline, llama
+    if strategy == "pipeline-layerwise":
+        pipe, inputs = diffusion_pipeline()
+        run = lambda p, device: denoise_and_decode(p.text_encoder, p.transformer, p.vae,  # noqa: E731
+                                                   inputs["input_ids"].to(device), inputs["latents"].to(device), 2)
+        target, policy = pipe, OffloadPolicy(strategy="layerwise", device=DEVICE)
+        modules = [pipe.text_encoder, pipe.transformer, pipe.vae]
+    else:
+        model, inputs = llama(layers=2)
+        run = lambda m, device: m(inputs["input_ids"].to(device)).logits  # noqa: E731
+        target, policy = model, OffloadPolicy(strategy=strategy, device=DEVICE, components=("lm_head",))
+        modules = [model]
+    weights = {id(t): t.detach().clone() for m in modules for t in [*m.parameters(), *m.buffers()]}
+    with torch.no_grad():
+        expected = run(target, "cpu")
+        m = offload_compile(target, policy)
+        torch.testing.assert_close(run(m, DEVICE).cpu(), expected, atol=1e-5, rtol=1e-4)  # (its own kernels)
+        assert any(t.device != torch.device("cpu") for m_ in modules for t in m_.parameters())  # some kept there
+        plain = remove_offload(m)
+        assert all(t.device == torch.device("cpu") for m_ in modules for t in [*m_.parameters(), *m_.buffers()])
+        assert torch.equal(run(plain, "cpu"), expected)
+    after = [t for m_ in modules for t in [*m_.parameters(), *m_.buffers()]]
+    assert len(after) == len(weights) and all(torch.equal(a, b) for a, b in zip(after, weights.values()))

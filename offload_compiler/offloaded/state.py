@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 
 from .._torch_private import capture_config, compiled_module_of
-from ..backend import OFFLOAD_ENDED, build_runtime
+from ..backend import OFFLOAD_ENDED, build_runtime, restore_unmanaged
 from ..errors import OffloadRefusal
 from ..planning.auto import OffloadPlan, planned_runtime
 from ..policy import OffloadPolicy
@@ -167,6 +167,8 @@ class OffloadState:
             for module, cls in self.classes:
                 module.__class__ = cls
                 module.__dict__.pop(STATE_ATTR, None)
+            if self.modules is not None:  # the weights moved to the compute device go back where they were
+                restore_unmanaged(self.modules)
             self.owner.__dict__.pop(STATE_ATTR, None)
             self.phase = Phase.DETACHED
             return self.owner
