@@ -373,3 +373,38 @@ def test_a_shallow_copy_of_a_part_is_a_module_of_its_own_class_sharing_its_weigh
     with torch.no_grad():  # host masters read outside an offloaded graph: fetched on demand (on cpu read in place)
         assert torch.equal(shallow(x), F.linear(x, snapshot["blocks.0.weight"], snapshot["blocks.0.bias"]))
     _still_whole(m, x, expected, snapshot)
+
+
+class _Outer(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.out = inner, nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.inner(x))
+
+
+@pytest.mark.parametrize("offloaded_first", ["inner", "outer"])
+def test_a_model_inside_or_around_an_offloaded_one_is_refused_before_anything_changes(offloaded_first):
+    """A model is offloaded once, as a whole: offloading a model that holds an offloaded one, or a part of an
+    offloaded model, is refused naming the fix; the offloaded model keeps streaming its plan, unchanged."""
+    torch.manual_seed(0)
+    outer = _Outer(Stack()).eval()
+    x = torch.randn(2, 8)
+    snapshot = {k: v.clone() for k, v in outer.state_dict().items()}
+    with torch.no_grad():
+        expected_inner, expected_outer = outer.inner(x), outer(x)
+    first, second = (outer.inner, outer) if offloaded_first == "inner" else (outer, outer.inner)
+    m = offload_compile(first, OffloadPolicy(strategy="layerwise", **CPU))
+    with pytest.raises(ValueError, match="offloaded already: a model is offloaded once.*remove_offload.*nothing was "
+                                         "changed"):
+        offload_compile(second, OffloadPolicy(strategy="layerwise", **CPU))
+    if offloaded_first == "inner":
+        assert type(outer) is _Outer  # not offloaded in part
+    _still_whole(m, x, expected_inner if offloaded_first == "inner" else expected_outer,
+                 {k.removeprefix("inner.") if offloaded_first == "inner" else k: v for k, v in snapshot.items()
+                  if offloaded_first == "outer" or k.startswith("inner.")})
+    plain = remove_offload(m)
+    with torch.no_grad():  # given back, the outer model offloads as a whole
+        assert torch.equal(offload_compile(outer, OffloadPolicy(strategy="layerwise", **CPU))(x), expected_outer)
+    assert plain is first

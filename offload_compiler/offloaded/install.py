@@ -9,13 +9,14 @@ from typing import Any
 from torch import nn
 
 from ..backend import build_runtime
+from ..host_masters import HostMaster
 from ..components import DIT_MODULES, pipeline_streamed
 from ..policy import OffloadPolicy
 from ..storage import FilledBuckets
 from .forwards import install_forwards
 from .module import offloaded_class
 from .pipeline import PipelineModules, pipeline_runtime
-from .state import OffloadState
+from .state import PART_OF, STATE_ATTR, OffloadState
 
 
 def attach(state: OffloadState, modules: list[nn.Module]) -> None:
@@ -71,6 +72,7 @@ def refuse_other_offloaders(model: Any) -> None:
     for prefix, root in roots:
         for path, module in root.named_modules():
             where = f"{prefix}{path}".rstrip(".") or type(model).__name__
+            _refuse_offloaded_inside(model, module, where)
             if getattr(module, "_hf_hook", None) is not None:
                 raise ValueError(
                     f"{type(model).__name__} carries accelerate's hooks ({where}): accelerate's cpu_offload or "
@@ -84,6 +86,21 @@ def refuse_other_offloaders(model: Any) -> None:
                     f"{type(model).__name__} has diffusers' group offloading enabled ({where}: enable_group_offload), "
                     f"which moves the weights at every call, as offload_compile does itself. Load the model again "
                     f"without enable_group_offload, then offload_compile; the model is unchanged")
+
+
+def _refuse_offloaded_inside(model: Any, module: nn.Module, where: str) -> None:
+    """A model is offloaded once, as a whole: ``module`` (inside ``model``, or ``model`` itself) must not be, or be
+    part of, a model offloaded already -- its weights are that model's host masters, its class that model's.
+    Refused before anything changes, naming the model to give back first."""
+    state = module.__dict__.get(STATE_ATTR) or module.__dict__.get(PART_OF)
+    masters = state is None and any(isinstance(t, HostMaster) for t in [*module._parameters.values(),
+                                                                          *module._buffers.values()])
+    if state is None and not masters:
+        return
+    owner = state.name if state is not None else "another model"
+    raise ValueError(f"{where} belongs to {owner}, which is offloaded already: a model is offloaded once, as a "
+                     f"whole. Give it back first (remove_offload on the model you offloaded), then offload "
+                     f"{type(model).__name__} alone (it streams what it contains); nothing was changed")
 
 
 def offload_module(model: nn.Module, policy: OffloadPolicy, filled: FilledBuckets | None = None) -> OffloadState:
