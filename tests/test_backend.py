@@ -148,7 +148,7 @@ def test_a_model_frame_dynamo_skips_streams_its_blocks_each_as_a_graph():
     with torch.no_grad():
         expected = model(x)
     m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu"))
-    with pytest.warns(UserWarning, match="without a graph"), torch.no_grad():
+    with pytest.warns(UserWarning, match="part of BreakInLoop's forward ran .*without a graph"), torch.no_grad():
         assert torch.equal(m(x), expected)
     assert_traffic_matches_plan(m)
 
@@ -329,3 +329,25 @@ def test_the_backend_refuses_a_compiled_function_naming_offload_compile():
             compiled(torch.randn(2, 8))
     assert type(model) is WrappedForward
     assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
+
+
+class _HoldsBreakInLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList([BreakInLoop(), nn.Linear(16, 16)])
+
+    def forward(self, x):
+        return self.stages[1](self.stages[0](x))
+
+
+def test_the_warning_of_code_run_without_a_graph_names_the_part_the_user_called():
+    """A part called by hand whose own frame dynamo runs without a graph: the warning names that part's forward,
+    not the model's."""
+    model = _HoldsBreakInLoop().requires_grad_(False)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        expected = model.stages[0](x)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", blocks_attr="stages.0.blocks"))
+    with pytest.warns(UserWarning, match=r"part of _HoldsBreakInLoop\.stages\.0's forward ran .*without a graph"), \
+            torch.no_grad():
+        assert torch.equal(m.stages[0](x), expected)

@@ -98,7 +98,7 @@ class _OffloadedForward:
             runtime = state.runtime
             args, kwargs, needs_grad = self._inputs_on_device(args, kwargs, runtime.device)
             calls = runtime.graph_calls
-            outer = state.begin_call(runtime)
+            outer = state.begin_call(runtime, self._module, self._method)
             measure = state.plan.measure(runtime) if self._root and state.plan else contextlib.nullcontext()
             compiled = self._compiled or self._compile(runtime)
             try:

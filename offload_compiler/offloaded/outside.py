@@ -12,8 +12,9 @@ class Outside:
     (from code dynamo ran without a graph) fetched as their own graphs, and what host masters fetched on demand
     (`host_masters.OnDemand`) -- no count of dynamo's is read."""
 
-    def __init__(self, runtime: OffloadRuntime) -> None:
+    def __init__(self, runtime: OffloadRuntime, caller: str) -> None:
         self.runtime = runtime
+        self.caller = caller  # what the user called: "the model's forward", "model.layers.0's forward"
         demand = runtime.on_demand
         self._start = (demand.bytes, demand.ops, len(demand.weights))
         self.part: nn.Module | None = None  # the first part called from Python during the call

@@ -241,12 +241,14 @@ class OffloadState:
 
     # -- calls --------------------------------------------------------------------------------------------
 
-    def begin_call(self, runtime: OffloadRuntime) -> bool:
-        """An offloaded call starts; whether it is the outermost one, which measures what the whole call reads
-        outside its graphs (a part called from a frame run without a graph adds to its caller's)."""
+    def begin_call(self, runtime: OffloadRuntime, module: nn.Module, method: str) -> bool:
+        """An offloaded call of ``module.method`` starts; whether it is the outermost one, which measures what the
+        whole call reads outside its graphs (a part called from a frame run without a graph adds to its
+        caller's)."""
         if self.call_depth:
             return False
-        self.outside = Outside(runtime)
+        path = self.path_of(module)
+        self.outside = Outside(runtime, f"{self.name}{'.' + path if path else ''}'s {method}")
         return True
 
     def end_call(self) -> None:
@@ -293,7 +295,7 @@ class OffloadState:
                         f"each op ({size_text(outside.on_demand_bytes)} in {outside.on_demand_ops} ops, "
                         f"offload_stats(m).on_demand_bytes)")
         warnings.warn(
-            f"offload_compiler: part of {self.name}'s forward ran outside its offloaded graphs (dynamo ran it "
+            f"offload_compiler: part of {outside.caller} ran outside its offloaded graphs (dynamo ran it "
             f"without a graph: a graph break inside a loop, or a frame past its recompile limit); it still "
             f"streamed: {'; '.join(what)}. Slower, like a hook-based offloader, for that code only. Make that code "
             f"traceable to stream it within one graph (TORCH_LOGS=graph_breaks shows where)", UserWarning,
