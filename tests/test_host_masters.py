@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_compiler import (OffloadPolicy, OffloadRefusal, offload_compile, offload_groups, offload_stats, remove_offload,
-                              reset_offload_stats)
+from offload_compiler import (OffloadPolicy, OffloadRefusal, offload_compile, offload_groups, offload_stats,
+                              remove_offload, reset_offload_stats)
 from offload_compiler.host_masters import HostMaster
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matches_plan, build_block_model, \
     simulated_device
