@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ._torch_private import inlined_only, op_schema, tree_map
+from .errors import OffloadRefusal
 from .storage import own_storage, viewed
 
 aten = torch.ops.aten
@@ -132,9 +133,12 @@ class HostMaster(torch.Tensor):
     @inlined_only  # from a frame dynamo runs without a graph: plain Python (the op then reads on demand, counted),
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # not a graph compiled per op and weight
         kwargs = kwargs or {}
-        if func == _DATA.__set__ and isinstance(args[0], HostMaster) and not isinstance(args[1], HostMaster):
+        if func == _DATA.__set__ and isinstance(args[0], HostMaster):
             master, new = args
-            master.host = _fakifiable(new.detach().to(master.host.device))  # repacked before the next copy
+            _refuse_new_layout(master, new)  # before anything changes: the weight keeps its bytes and keeps running
+            # another weight's master (``a.weight.data = b.weight.data.T``) gives its host bytes: torch's own
+            # rebinding of the wrapper left ``host`` as it was, and the weight silently kept its old values
+            master.host = _rebound_host(master, host_of(new))  # repacked before the next copy
             torch.autograd.graph.increment_version(master.host)
             return None
         if func in _HOST_SIDE and isinstance(args[0], HostMaster) and args[0].device == args[0].host.device:
@@ -232,6 +236,31 @@ def _fakifiable(host: torch.Tensor) -> torch.Tensor:
         return own_storage(host)
     except NotImplementedError:  # a fake or meta tensor's storage cannot be sliced
         return host
+
+
+def _refuse_new_layout(master: HostMaster, new: torch.Tensor) -> None:
+    """``p.data = t`` may give a streamed weight new bytes, never a new shape or dtype: its place in the packed
+    host buffer, its device slot and the graphs compiled for it have the old ones (accepted, every later call
+    failed inside the runtime). Refused before anything changes; what transformers' ``resize_token_embeddings``
+    does, so it stops here too, before it replaces any module."""
+    if new.shape == master.shape and new.dtype == master.dtype:
+        return
+    raise OffloadRefusal(
+        f"p.data = t would change an offloaded weight of shape {tuple(master.shape)} and dtype {master.dtype} to "
+        f"shape {tuple(new.shape)} and dtype {new.dtype} (as resize_token_embeddings does): an offloaded weight "
+        f"keeps its shape and dtype (its host buffer and compiled graphs are laid out for them). Nothing was "
+        f"changed. Resize or convert the plain model, then offload it again: m = remove_offload(m); <change m>; "
+        f"m = offload_compile(m, policy). New values of the same shape and dtype need no re-offload: "
+        f"p.data = t, p.copy_(t) or load_state_dict")
+
+
+def _rebound_host(master: HostMaster, new: torch.Tensor) -> torch.Tensor:
+    """The host bytes ``p.data = new`` gives ``master``, in the master's own layout: a trace rebuilds the master
+    from them and requires the strides it reports (``p.data = q.T`` of a square weight failed in dynamo)."""
+    host = new.detach().to(master.host.device)
+    if host.stride() != master.stride():
+        host = torch.empty_strided(master.shape, master.stride(), dtype=host.dtype, device=host.device).copy_(host)
+    return _fakifiable(host)
 
 
 def _host_operand(value: Any, host_device: torch.device) -> Any:

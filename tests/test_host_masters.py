@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_compiler import (OffloadPolicy, offload_compile, offload_groups, offload_stats, remove_offload,
-                              reset_offload_stats)
+from offload_compiler import (OffloadPolicy, OffloadRefusal, offload_compile, offload_groups, offload_stats,
+                              remove_offload, reset_offload_stats)
 from offload_compiler.host_masters import HostMaster
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matches_plan, build_block_model, \
     simulated_device
@@ -103,6 +103,103 @@ def test_a_weight_changed_between_calls_is_what_the_next_call_reads(change, carr
     assert offload_stats(m).on_demand_bytes == 0
     if not carry:
         assert_traffic_matches_plan(m)
+
+
+def _snapshot(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _still_streams_unchanged(m, model, x, snapshot, traffic=None):
+    """After a refused (or no-op) change: the same weights, bit for bit, still masters, the plain model's output,
+    and the plan's traffic per call (``traffic``: the bytes a call moved before)."""
+    assert all(torch.equal(v, snapshot[k]) for k, v in m.state_dict().items())
+    assert all(isinstance(p, HostMaster) for p in m.parameters())
+    reset_offload_stats(m)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    stats = assert_traffic_matches_plan(m)
+    assert stats.on_demand_bytes == 0 and traffic in (None, stats.bytes_transferred)
+
+
+@pytest.mark.parametrize("new", ["shape", "dtype", "transposed master"])
+def test_a_data_rebind_to_another_shape_or_dtype_is_refused_before_anything_changes(new, device):
+    """Before the fix ``p.data = t`` with another shape was taken: the weight still reported its old shape and
+    every later call failed inside the runtime's repack."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 12), nn.Linear(12, 8)).eval().requires_grad_(False)
+    x = torch.randn(2, 8)
+    m = offload_compile(copy.deepcopy(model), _policy(device, strategy="sequential"))
+    _run(m, x)
+    snapshot = _snapshot(m)
+    weight = m[1].weight
+    value = {"shape": lambda: torch.randn(13, 8), "dtype": lambda: torch.randn(12, 8, dtype=torch.float64),
+             "transposed master": lambda: weight.data.T}[new]()
+    with pytest.raises(OffloadRefusal, match=r"shape \(12, 8\).*Nothing was changed.*m = remove_offload\(m\).*"
+                                             r"m = offload_compile\(m, policy\)"):
+        weight.data = value
+    assert m[1].weight is weight and weight.shape == (12, 8) and weight.dtype == torch.float32
+    _still_streams_unchanged(m, model, x, snapshot)
+    weight.data = torch.full((12, 8), 0.5)  # the same shape and dtype: taken, as before
+    model[1].weight.fill_(0.5)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+
+
+def test_a_data_rebind_to_another_weights_master_takes_its_values(device):
+    """``a.data = b.data.T`` between offloaded weights: before the fix torch rebound the wrapper alone and the
+    weight kept its old bytes, silently."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)).eval().requires_grad_(False)
+    x = torch.randn(2, 8)
+    m = offload_compile(copy.deepcopy(model), _policy(device, strategy="sequential"))
+    _run(m, x)
+    m[1].weight.data = m[2].weight.data.T
+    model[1].weight.data = model[2].weight.data.T
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    assert torch.equal(m.state_dict()["1.weight"], model[2].weight.T) and isinstance(m[1].weight, HostMaster)
+
+
+def test_resize_token_embeddings_is_refused_before_it_changes_anything(device):
+    """transformers' ``resize_token_embeddings`` builds a resized embedding and rebinds the old weight's
+    ``.data`` to it: refused there, before it replaces any module or the config's vocabulary size (before the
+    fix a dynamo assertion about ``HostMaster.__tensor_unflatten__``, and on an accelerator a resized lm_head
+    made on the device)."""
+    from offload_compiler.testing.models import llama
+    model, inputs = llama(layers=2)
+    model.requires_grad_(False)
+    m = offload_compile(copy.deepcopy(model), _policy(device))
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids.to(m.device)).logits.cpu(), model(ids).logits)
+    traffic = offload_stats(m).bytes_transferred
+    snapshot, modules = _snapshot(m), dict(m.named_modules())
+    with pytest.raises(OffloadRefusal, match=r"resize_token_embeddings.*m = remove_offload\(m\)"):
+        m.resize_token_embeddings(200)
+    assert dict(m.named_modules()) == modules and m.config.vocab_size == 128
+    assert m.get_input_embeddings().num_embeddings == 128 and m.lm_head.weight.shape == (128, 64)
+    assert all(torch.equal(v, snapshot[k]) for k, v in m.state_dict().items())
+    reset_offload_stats(m)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids.to(m.device)).logits.cpu(), model(ids).logits)
+    assert assert_traffic_matches_plan(m).bytes_transferred == traffic
+    plain = remove_offload(m).resize_token_embeddings(200)  # the fix the refusal names
+    assert plain.weight.shape == (200, 64)
+
+
+def test_conversions_that_change_no_weight_are_no_ops_and_real_ones_are_refused(device):
+    """``.float()`` of a float32 model changes nothing in PyTorch; before the fix it was refused as a dtype
+    change (and ``share_memory()`` with the dtype wording)."""
+    model, m, x = _offloaded(device)
+    _run(m, x)
+    traffic, snapshot = offload_stats(m).bytes_transferred, _snapshot(m)
+    for same in (m.float, lambda: m.to(torch.float32), lambda: m.to(m.device, torch.float32),
+                 lambda: m.type(torch.float32)):
+        assert same() is m
+    _still_streams_unchanged(m, model, x, snapshot, traffic)
+    for change in (m.half, m.double, m.bfloat16, lambda: m.to(torch.float16), lambda: m.type(torch.float64)):
+        with pytest.raises(OffloadRefusal, match=r"nothing was changed.*remove_offload\(m\)\.to\(dtype\)"):
+            change()
+    with pytest.raises(TypeError, match="only accepts floating point or complex dtypes"):  # as for a plain module
+        m.to(torch.int64)
+    with pytest.raises(OffloadRefusal, match=r"other processes.*remove_offload\(m\)\.share_memory\(\)"):
+        m.share_memory()
+    _still_streams_unchanged(m, model, x, snapshot, traffic)
 
 
 def test_a_frame_run_without_a_graph_reads_weights_on_demand_counted(device):

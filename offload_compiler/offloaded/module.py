@@ -61,8 +61,8 @@ class OffloadedModule(nn.Module):
 
     def to(self, *args: Any, **kwargs: Any) -> "OffloadedModule":
         device, dtype = _to_target(*args, **kwargs)
-        if dtype is not None:
-            self._apply(None)
+        if dtype is not None:  # a no-op where every weight has that dtype already, as for a plain module
+            self._apply(_dtype_conversion(dtype))
         if device is not None:
             try:  # a device this machine does not have is an error, as it is for a plain module
                 device = validate_device(device)
@@ -84,9 +84,22 @@ class OffloadedModule(nn.Module):
         return self.to("cpu")
 
     def _apply(self, fn: Any, recurse: bool = True) -> "OffloadedModule":
+        # what .float(), .half(), .type(), .to(dtype) call: one that changes no weight (.float() of a float32
+        # model) is the no-op it is for a plain module; one that would is refused before it changes any
+        tensors = [*self.parameters(recurse=recurse), *self.buffers(recurse=recurse)]
+        if all(_unchanged_by(fn, t) for t in tensors):
+            return self
         raise OffloadRefusal("changing the dtype or storage of an offloaded module's weights (.half(), .to(dtype), "
-                             "...) would detach them from their host buffers; convert first: "
+                             "...) would detach them from their host buffers; nothing was changed. Convert first: "
                              "offload_compile(remove_offload(m).to(dtype), policy)")
+
+    def share_memory(self) -> "OffloadedModule":
+        # share_memory() readies a model to be sent to other processes, which an offloaded model cannot be (it
+        # does not pickle): moving its packed host buffers, which the runtime streams from, would gain nothing
+        raise OffloadRefusal("share_memory() readies a model to be sent to other processes, and an offloaded model "
+                             "cannot be sent (its weights live in this process's packed host buffers); nothing was "
+                             "changed. Share the plain model and offload it in the process that runs it: "
+                             "remove_offload(m).share_memory(), then offload_compile(model, policy) there")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:
@@ -110,6 +123,25 @@ def offloaded_class(cls: type) -> type:
         _CLASSES[cls] = type(cls.__name__, (OffloadedModule, cls), namespace)
     return _CLASSES[cls]
 
+
+
+def _dtype_conversion(dtype: torch.dtype) -> Any:
+    """What ``nn.Module.to(dtype)`` applies to each tensor: floating and complex ones take ``dtype``, the others
+    keep theirs; a dtype of neither kind is refused as a plain module refuses it."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"nn.Module.to only accepts floating point or complex dtypes, but got desired dtype={dtype}")
+    return lambda t: t.to(dtype) if t.is_floating_point() or t.is_complex() else t
+
+
+def _unchanged_by(fn: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``fn`` (an ``_apply`` conversion) returns its tensor itself, as ``t.float()`` does for
+    a float32 ``t``. Tried on a meta tensor of its layout: no bytes are read or copied, and a conversion that
+    moves data (``.cpu()``, ``share_memory_``) fails there, so counts as a change."""
+    probe = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    try:
+        return fn(probe) is probe
+    except Exception:  # whatever a conversion raises on the probe, it is not a no-op
+        return False
 
 
 def _to_target(*args: Any, device: Any = None, dtype: torch.dtype | None = None, **_: Any) \
