@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable
 
 import torch
@@ -525,17 +526,32 @@ def split_experts(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
 BLOCK_STRATEGIES = ("layerwise", "budget")  # the strategies that group by blocks and stream a window of them
 HALF_THE_MODEL = 0.5
 BUDGET_SLACK = 0.25  # budget streams whole groups: up to this much more than offload_gb passes unremarked
+# budget saving less than this share of offload_gb is warned about: the prefetch window eats what it streams
+BUDGET_SAVED_SHARE = 0.5
 
 
-def peak_estimate(groups: Iterable, prefetch: int, carry: bool = False) -> int:
+def peak_estimate(groups: Iterable, prefetch: int) -> int:
     """Device weight bytes a block plan (layerwise, budget) holds at once, at most, before any graph is
     captured: the resident groups and the ``prefetch`` + 1 largest streamed ones (the group computing and those
-    fetched ahead of it; with ``prefetch_next_call``, up to ``prefetch`` more carried for the next call).
-    ``groups`` are `GroupSpec`s or a runtime's groups. The verifier's peak replaces it once graphs exist."""
+    fetched ahead of it). ``groups`` are `GroupSpec`s or a runtime's groups. The verifier's peak replaces it
+    once graphs exist.
+
+    With ``prefetch_next_call`` the window is the same: the schedule (`passes.schedule._carry_points`) copies
+    the next call's first group i at the wait of group n - prefetch + i, where this call has no group left to
+    prefetch, and never before its own copy in this call is gone, so a carried copy takes the slot of a
+    prefetch that does not happen: at most prefetch + 1 groups still (the last ones and the first ones, the
+    cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
+    it is waited for (no group's use spans another's)."""
     groups = list(groups)
     streamed = sorted((g.nbytes for g in groups if g.streamed), reverse=True)
-    window = prefetch + 1 + (prefetch if carry else 0)
-    return sum(g.nbytes for g in groups if not g.streamed) + sum(streamed[:window])
+    return sum(g.nbytes for g in groups if not g.streamed) + sum(streamed[:prefetch + 1])
+
+
+def _gib_at_least(nbytes: int) -> str:
+    """``nbytes`` in GiB rounded up to 3 significant digits, for an ``offload_gb=`` that asks for at least it."""
+    gib = nbytes / 2**30
+    scale = 10 ** (2 - math.floor(math.log10(gib)))
+    return f"{math.ceil(gib * scale) / scale:g}"
 
 
 def _mib(nbytes: int) -> str:
@@ -546,7 +562,8 @@ def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, st
                    unmanaged_bytes: int = 0) -> str | None:
     """Why the block plan of ``model`` saves little, naming its largest group and the fix; None where it saves
     what was asked. Layerwise: its estimated peak (`peak_estimate`) is above half the model. Budget: it streams
-    more than ``offload_gb`` by over a quarter (its groups are too coarse to stop near the budget). ``stacks``
+    more than ``offload_gb`` by over a quarter (its groups are too coarse to stop near the budget), or it saves
+    under half of ``offload_gb`` (`_budget_window_warning`: the prefetch window holds what it streams). ``stacks``
     are the block stacks in use (`block_paths`), which a suggested ``blocks_attr`` keeps."""
     groups = list(groups)
     total = sum(g.nbytes for g in groups) + unmanaged_bytes
@@ -555,7 +572,7 @@ def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, st
         return None
     name = type(model).__name__
     if policy.strategy == "layerwise":
-        peak = peak_estimate(groups, policy.prefetch, policy.prefetch_next_call) + unmanaged_bytes
+        peak = peak_estimate(groups, policy.prefetch) + unmanaged_bytes
         if peak <= HALF_THE_MODEL * total:
             return None
         problem = (f"layerwise keeps up to {peak / total:.0%} of {name}'s weights on the device at once "
@@ -563,7 +580,7 @@ def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, st
     elif policy.strategy == "budget" and policy.offload_bytes:
         moved = sum(g.nbytes for g in streamed)
         if moved <= (1 + BUDGET_SLACK) * policy.offload_bytes:
-            return None
+            return _budget_window_warning(name, groups, policy, unmanaged_bytes)
         problem = (f"budget streams {_mib(moved)} ({moved / total:.0%} of {name}) where offload_gb={policy.offload_gb:g} "
                    f"asked for {_mib(policy.offload_bytes)}")
     else:
@@ -571,6 +588,40 @@ def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, st
     largest = max(streamed, key=lambda g: g.nbytes)
     return (f"{problem}: its largest streamed group, {largest.name!r}, holds {largest.nbytes / total:.0%} of the "
             f"model. {_fix(model, largest.name, groups, policy, stacks, total)}")
+
+
+def _budget_window_warning(name: str, groups: list, policy: OffloadPolicy, unmanaged_bytes: int) -> str | None:
+    """Why budget saves far less than ``offload_gb`` (under `BUDGET_SAVED_SHARE` of it), naming the fix; None
+    where it saves enough. The group computing and the ``prefetch`` fetched ahead of it are on the device at
+    once, so streaming little more than those groups saves little: streaming no more than them, nothing."""
+    depth, managed = policy.prefetch + 1, sum(g.nbytes for g in groups)
+    asked = min(policy.offload_bytes, managed)  # an offload_gb over the model asks to stream all of it
+    total = managed + unmanaged_bytes
+    saved = managed - peak_estimate(groups, policy.prefetch)
+    if saved >= BUDGET_SAVED_SHARE * asked:
+        return None
+    streamed = [g for g in groups if g.streamed]
+    moved, largest = sum(g.nbytes for g in streamed), max(g.nbytes for g in streamed)
+    saves = f"saves {_mib(saved)} ({saved / total:.0%} of {name})" if saved > 0 else "saves no device memory"
+    ahead = f"the one computing and the {policy.prefetch} fetched ahead of it" if policy.prefetch else "one at a time"
+    problem = (f"budget {saves} where offload_gb={policy.offload_gb:g} asked to stream {_mib(asked)}: "
+               f"prefetch={policy.prefetch} holds {depth} streamed group(s) on the device at once ({ahead}) and it "
+               f"streams {len(streamed)} ({_mib(moved)}), so its device weight peak is "
+               f"{(total - saved) / total:.0%} of the model")
+    # what the prefetch depth holds, were budget to stream more groups no larger than those it streams now
+    # (equal blocks: a transformer's layers)
+    window = depth * largest
+    if window + asked <= managed:
+        fix = (f"Fix: offload_gb={_gib_at_least(window + asked)} or more: what prefetch={policy.prefetch} holds "
+               f"({depth} x {_mib(largest)}) plus the {_mib(asked)} you want saved")
+    else:
+        most = managed - sum(sorted((g.nbytes for g in groups), reverse=True)[:depth])  # every group streamed
+        fix = (f"Fix: no offload_gb saves {_mib(asked)} with prefetch={policy.prefetch}; the most, {_mib(most)}, "
+               f"is streaming every group (strategy='layerwise')")
+    alone = moved - largest  # prefetch=0: one streamed group on the device at a time
+    if policy.prefetch and alone >= BUDGET_SAVED_SHARE * asked:
+        fix += f"; or prefetch=0 saves {_mib(alone)} (one group at a time: its copies no longer overlap compute)"
+    return f"{problem}. {fix}."
 
 
 def _fix(model: nn.Module, group: str, groups: list, policy: OffloadPolicy, stacks: tuple[str, ...],

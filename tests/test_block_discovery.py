@@ -4,6 +4,8 @@ structures of torchvision's ViT, DenseNet, RegNet, ConvNeXt and MaxViT, of a UNe
 prefetch 1 is at most 60% of the model, outputs equal the plain model's and traffic equals the plan
 (`assert_offload_equivalent`). A model that cannot be split is warned about before it runs, with the fix."""
 
+import re
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload_compiler import OffloadPolicy, OffloadSavingWarning, describe_plan, offload_compile
+from offload_compiler import OffloadPolicy, OffloadSavingWarning, describe_plan, offload_compile, plan_summary
 from offload_compiler.grouping import block_paths, plan_groups
 from offload_compiler.testing import assert_offload_equivalent
 
@@ -459,7 +461,10 @@ def test_budget_splits_the_block_that_would_overshoot_offload_gb(recwarn):
     assert streamed[3].startswith("trunk_output.block4.block4-0")  # part of the last stage, not all of it
     assert target <= sum(g.nbytes for g in groups if g.streamed) <= 1.25 * target
     assert_offload_equivalent(model, policy, **inputs)
-    assert not [w for w in recwarn if issubclass(w.category, OffloadSavingWarning)]
+    # not warned for overshooting; warned that it saves little: with prefetch=1, block3 and the next group
+    # (a third of what it streams) are on the device at once
+    warned = [str(w.message) for w in recwarn if issubclass(w.category, OffloadSavingWarning)]
+    assert not [m for m in warned if "budget streams" in m] and all("prefetch=1 holds 2" in m for m in warned)
 
 
 def test_budget_far_from_offload_gb_is_warned_about():
@@ -468,9 +473,58 @@ def test_budget_far_from_offload_gb_is_warned_about():
         offload_compile(model, OffloadPolicy(strategy="budget", device="cpu", offload_gb=model_bytes(model) / 2 / 2**30))
 
 
+def four_layer_llama() -> tuple[nn.Module, dict, int]:
+    """A tiny transformers Llama of 4 equal decoder layers, its inputs and one layer's bytes."""
+    pytest.importorskip("transformers")
+    from offload_compiler.testing.models import llama as build_llama
+    model, inputs = build_llama(layers=4)
+    return model, inputs, model_bytes(model.model.layers[0])
+
+
+def saved_bytes(offloaded: nn.Module) -> int:
+    """Device weight bytes the plan saves: the model less its device weight peak (verified once it ran)."""
+    saving = plan_summary(offloaded)["saving"]
+    return round(saving["device_weight_peak_bytes"] / saving["share_of_model"]) - saving["device_weight_peak_bytes"]
+
+
+def test_budget_that_streams_no_more_than_the_prefetch_holds_is_warned_about():
+    """offload_gb of two decoder layers with prefetch=1: the streamed layer computing and the one prefetched are
+    on the device at once, so budget saves nothing (verified: the whole model is on the device). The warning says
+    so and names an offload_gb that saves what was asked; that one does not warn, and saves it."""
+    model, inputs, layer = four_layer_llama()
+    policy = OffloadPolicy(strategy="budget", device="cpu", compiler="eager", prefetch=1, offload_gb=2 * layer / 2**30)
+    with pytest.warns(OffloadSavingWarning, match=r"budget saves no device memory .*prefetch=1 holds 2 streamed .*"
+                                                  r"Fix: offload_gb=[\d.e-]+ or more.*; or prefetch=0") as record:
+        offloaded = offload_compile(model, policy)
+    offloaded(**inputs)
+    assert saved_bytes(offloaded) <= 0
+    fixed_gb = float(re.search(r"Fix: offload_gb=([\d.e-]+)", str(record[0].message)).group(1))
+    model, inputs, _ = four_layer_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadSavingWarning)
+        fixed = offload_compile(model, policy.replace(offload_gb=fixed_gb))
+    fixed(**inputs)
+    assert saved_bytes(fixed) >= 2 * layer
+
+
+def test_budget_with_one_group_of_prefetch_names_no_prefetch_0_that_saves_nothing():
+    """One layer streamed: prefetch=0 would hold it alone, saving nothing too, so it is not offered."""
+    model, _, layer = four_layer_llama()
+    with pytest.warns(OffloadSavingWarning, match=r"saves no device memory") as record:
+        offload_compile(model, OffloadPolicy(strategy="budget", device="cpu", offload_gb=layer / 2**30))
+    assert "prefetch=0" not in str(record[0].message)
+
+
+def test_budget_that_saves_what_it_asks_does_not_warn(recwarn):
+    model, _, layer = four_layer_llama()
+    offload_compile(model, OffloadPolicy(strategy="budget", device="cpu", prefetch=0, offload_gb=2 * layer / 2**30))
+    assert not [w for w in recwarn if issubclass(w.category, OffloadSavingWarning)]
+
+
 def test_a_plan_that_saves_does_not_warn(recwarn):
     model, _ = build("vit")
     offload_compile(model, OffloadPolicy(**POLICY))
-    offload_compile(build("regnet")[0], OffloadPolicy(strategy="budget", device="cpu",
+    # half of RegNet with prefetch=0: its last stage's blocks are 22% of it each, and prefetch=1 would hold two
+    offload_compile(build("regnet")[0], OffloadPolicy(strategy="budget", device="cpu", prefetch=0,
                                                       offload_gb=model_bytes(build("regnet")[0]) / 2 / 2**30))
     assert not [w for w in recwarn if issubclass(w.category, OffloadSavingWarning)]

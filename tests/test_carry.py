@@ -3,12 +3,14 @@ call. The ledger shows the copies crossing the call boundary, a changed host wei
 and a call that takes another graph, fails, or is released gets no leftover copy."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 
-from offload_compiler import (OffloadPolicy, inject_fault, offload_compile, offload_stats, release_device_copies,
-                              remove_offload, reset_offload_stats)
+from offload_compiler import (OffloadPolicy, OffloadSavingWarning, inject_fault, offload_compile, offload_stats,
+                              plan_summary, release_device_copies, remove_offload, reset_offload_stats)
+from offload_compiler.api import device_weight_peak
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, build_block_model
 
 SPEC = ModelSpec(16, (BlockSpec("mlp", 32), BlockSpec("attention", 1), BlockSpec("mlp", 16)), False, True, 4, 2)
@@ -58,6 +60,30 @@ def test_wrap_around_costs_the_cyclic_window_not_more():
     cyclic = max(order[i] + order[(i + 1) % len(order)] for i in range(len(order)))
     assert wrapped.streamed_peak_bytes == cyclic >= unwrapped.streamed_peak_bytes
     assert wrapped.fetches == unwrapped.fetches
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_the_estimate_before_the_first_call_is_the_verified_cyclic_window(prefetch):
+    """The carried copies take the slots of prefetches the call's end no longer makes: the estimate made before
+    the graph exists is the verified peak (no extra window for them), and OffloadSavingWarning is raised only
+    where that peak is above half the model (prefetch=2 holds 3 of the 4 layers; prefetch=1 halves it)."""
+    pytest.importorskip("transformers")
+    from offload_compiler.testing.models import llama
+    model, inputs = llama(layers=4)
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler="eager", prefetch=prefetch,
+                           prefetch_next_call=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        m = offload_compile(model, policy)
+    estimate, verified = device_weight_peak(m._offload_runtime), None
+    assert estimate[1] is False
+    for _ in range(3):
+        m(**inputs)
+        verified = device_weight_peak(m._offload_runtime)
+        assert offload_stats(m).peak_resident_bytes + m._offload_runtime.unmanaged_bytes <= verified[0]
+    assert verified[1] and verified[0] == estimate[0]
+    warned = any(issubclass(w.category, OffloadSavingWarning) for w in record)
+    assert warned == (plan_summary(m)["saving"]["share_of_model"] > 0.5) == (prefetch == 2)
 
 
 def test_a_weight_changed_between_calls_is_fetched_again_not_served_stale():
