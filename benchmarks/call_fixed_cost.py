@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         "argument scan (a decode step's)": lambda: forward._inputs_on_device((), decode_step, state.runtime.device),
         "lift and restore the routed parts": lambda: _entered(state.tracing_through()),
         "dynamo config for the call": lambda: _entered(call_config()),
-        "outside-the-graphs snapshot": lambda: Outside(state.runtime),
+        "outside-the-graphs snapshot": lambda: Outside(state.runtime, state.owner, "forward"),
         "hook check (runs twice per call)": state.hooks.change,
     }
     us = {name: min(timeit.repeat(piece, number=args.number, repeat=args.repeats)) / args.number * 1e6

@@ -12,9 +12,9 @@ class Outside:
     (from code dynamo ran without a graph) fetched as their own graphs, and what host masters fetched on demand
     (`host_masters.OnDemand`) -- no count of dynamo's is read."""
 
-    def __init__(self, runtime: OffloadRuntime, caller: str) -> None:
+    def __init__(self, runtime: OffloadRuntime, module: nn.Module, method: str) -> None:
         self.runtime = runtime
-        self.caller = caller  # what the user called: "the model's forward", "model.layers.0's forward"
+        self.module, self.method = module, method  # what the user called (named in the warning only)
         demand = runtime.on_demand
         self._start = (demand.bytes, demand.ops, len(demand.weights))
         self.part: nn.Module | None = None  # the first part called from Python during the call

@@ -247,8 +247,7 @@ class OffloadState:
         caller's)."""
         if self.call_depth:
             return False
-        path = self.path_of(module)
-        self.outside = Outside(runtime, f"{self.name}{'.' + path if path else ''}'s {method}")
+        self.outside = Outside(runtime, module, method)
         return True
 
     def end_call(self) -> None:
@@ -285,6 +284,8 @@ class OffloadState:
         if self.warned_outside or not outside:
             return
         self.warned_outside = True
+        path = self.path_of(outside.module)
+        caller = f"{self.name}{'.' + path if path else ''}'s {outside.method}"
         what = []
         if outside.part is not None:
             what.append(f"the modules it called, such as {self.path_of(outside.part) or type(outside.part).__name__}, "
@@ -295,7 +296,7 @@ class OffloadState:
                         f"each op ({size_text(outside.on_demand_bytes)} in {outside.on_demand_ops} ops, "
                         f"offload_stats(m).on_demand_bytes)")
         warnings.warn(
-            f"offload_compiler: part of {outside.caller} ran outside its offloaded graphs (dynamo ran it "
+            f"offload_compiler: part of {caller} ran outside its offloaded graphs (dynamo ran it "
             f"without a graph: a graph break inside a loop, or a frame past its recompile limit); it still "
             f"streamed: {'; '.join(what)}. Slower, like a hook-based offloader, for that code only. Make that code "
             f"traceable to stream it within one graph (TORCH_LOGS=graph_breaks shows where)", UserWarning,
