@@ -12,17 +12,6 @@ from offload_compiler import OffloadPolicy, offload_compile
 from offload_compiler.gc_during_capture import DeferFullCollections
 
 
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = torch.relu(block(x))
-        return x
-
-
 @pytest.fixture
 def thresholds():
     saved = gc.get_threshold()
@@ -39,7 +28,7 @@ def test_a_capture_defers_full_collections_and_gives_the_thresholds_back(thresho
         seen.append(gc.get_threshold())
         return compile_graph(gm, example_inputs, runtime)
     monkeypatch.setattr(backend, "compile_graph", recording)
-    model, x = _Stack().eval(), torch.randn(2, 8)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval(), torch.randn(2, 8)
     with torch.no_grad():
         expected = model(x)
         m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
