@@ -59,15 +59,15 @@ def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, m
     managed = {id(w.tensor) for spec in specs for w in spec.weights}
     moved: dict[int, torch.Tensor] = {}
     before = _MOVED.setdefault(model, {})
-    for module in model.modules():
+    for path, module in model.named_modules():
         for table in ("_parameters", "_buffers"):
             for name, tensor in getattr(module, table).items():
                 if tensor is None or id(tensor) in managed or tensor.device == device:
                     continue
                 if not move:
-                    raise ValueError(f"{type(module).__name__}.{name} is outside the offloaded groups, so it must live on "
-                                     f"{device}, but it is on {tensor.device}: move the model to {device} before "
-                                     f"torch.compile, or use offload_compile")
+                    raise ValueError(f"{path + '.' if path else ''}{name} is outside the offloaded groups, so it must "
+                                     f"live on {device}, but it is on {tensor.device}: move the model to {device} "
+                                     f"before torch.compile, or use offload_compile")
                 before.setdefault((id(module), table, name), (module, tensor.device))
                 if id(tensor) not in moved:
                     moved[id(tensor)] = _moved_to(tensor, device)

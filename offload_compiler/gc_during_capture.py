@@ -3,8 +3,8 @@
 A capture makes hundreds of thousands of Python objects (dynamo's variable trackers, guards, FX nodes, fake
 tensors). Each of them counts towards CPython's collection thresholds, and every full collection walks every
 object in the process -- the model's modules, every imported library -- so a capture triggers many full
-collections, each long: 0.27 s of a 2.0 s first call of a tiny 8-block DiT, 0.57 s of 3.1 s at 16 blocks (torch
-2.13, measured with the collector disabled around the call). While a capture runs, the oldest generation's
+collections, each long: 0.27 s of a 2.0 s first call of a tiny 8-block DiT, 0.58 s of 3.3 s at 16 blocks (torch
+2.13, by hand: ``gc.callbacks`` timing each full collection during the first call under ``regional=True``). While a capture runs, the oldest generation's
 threshold is raised so that no full collection starts; the young generations are still collected as usual,
 and the threshold is put back when the last capture in the process ends, so the next full collection comes as
 it would have (it then frees whatever cyclic garbage the capture left there).

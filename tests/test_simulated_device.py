@@ -766,13 +766,17 @@ def test_remove_offload_gives_weights_kept_on_the_device_back_to_the_host(strate
     else:
         model, inputs = llama(layers=2)
         run = lambda m, device: m(inputs["input_ids"].to(device)).logits  # noqa: E731
-        target, policy = model, OffloadPolicy(strategy=strategy, device=DEVICE, components=("lm_head",))
+        fixed = {"keep_after_use": False} if strategy == "alternating" else {}  # a fixed per-call traffic to check
+        target, policy = model, OffloadPolicy(strategy=strategy, device=DEVICE, components=("lm_head",), **fixed)
         modules = [model]
     weights = {id(t): t.detach().clone() for m in modules for t in [*m.parameters(), *m.buffers()]}
     with torch.no_grad():
         expected = run(target, "cpu")
         m = offload_compile(target, policy)
         torch.testing.assert_close(run(m, DEVICE).cpu(), expected, atol=1e-5, rtol=1e-4)  # (its own kernels)
+        reset_offload_stats(m)  # a steady call streams the plan (the first one also filled resident copies)
+        run(m, DEVICE)
+        assert assert_traffic_matches_plan(m, resident_filled=True).fetch_count > 0
         assert any(t.device != torch.device("cpu") for m_ in modules for t in m_.parameters())  # some kept there
         plain = remove_offload(m)
         assert all(t.device == torch.device("cpu") for m_ in modules for t in [*m_.parameters(), *m_.buffers()])
