@@ -27,7 +27,8 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # A module belongs to the first layer with a prefix equal to its name or to a package above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policy", ("offload_compiler.policy", "offload_compiler.errors", "offload_compiler.gc_during_capture")),
-    ("support", ("offload_compiler._tree", "offload_compiler._registry", "offload_compiler._torch_private", "offload_compiler.distributed",
+    ("support", ("offload_compiler._tree", "offload_compiler._registry", "offload_compiler._torch_private",
+                 "offload_compiler._transformers_private", "offload_compiler.distributed",
                  "offload_compiler.subclasses", "offload_compiler.components", "offload_compiler.config",
                  "offload_compiler.storage", "offload_compiler.host_masters")),
     ("grouping", ("offload_compiler.grouping",)),

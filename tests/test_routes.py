@@ -114,6 +114,47 @@ def test_every_part_called_from_python_runs_its_own_offloaded_graph():
         assert torch.equal(m(**inputs).logits, wanted["the class's forward"])
 
 
+def _layer_inputs(plain, ids):
+    """A decoder layer's inputs, as the model makes them: the embedded tokens and the rotary embeddings."""
+    with torch.no_grad():
+        embedded = plain.get_input_embeddings()(ids)
+        return embedded, plain.model.rotary_emb(embedded, torch.arange(ids.shape[1])[None])
+
+
+@pytest.mark.slow
+@pytest.mark.newest_torch
+def test_a_decoder_layer_by_hand_is_one_graph_fetching_its_group_once_and_hidden_states_still_collect():
+    """The output-capturing hooks transformers puts on every decoder layer (installed at offloading) read their
+    collector from a ContextVar, which dynamo cannot trace: called by hand, with no model call around it, a
+    layer broke into a graph per hooked module, each fetching the layer's group (3 fetches a call). It is one
+    graph fetching its group once per call; the model's own output_hidden_states=True call still collects every
+    hidden state, before and after."""
+    model, inputs, plain = _llama()
+    embedded, rotary = _layer_inputs(plain, inputs["input_ids"])
+    with torch.no_grad():
+        expected_layer = plain.model.layers[0](embedded, position_embeddings=rotary)
+        expected_hidden = plain(**inputs, output_hidden_states=True).hidden_states
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))
+    layer_bytes = {g.name: g.nbytes for g in offload_groups(m)}["model.layers.0"]
+
+    def hidden_states_match():
+        with torch.no_grad():
+            got = m(**inputs, output_hidden_states=True).hidden_states
+        return len(got) == len(expected_hidden) and all(map(torch.equal, got, expected_hidden))
+
+    assert hidden_states_match()
+    for call in range(2):  # the first compiles the layer's graph; the second is a steady call
+        reset_offload_stats(m)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = m.model.layers[0](embedded, position_embeddings=rotary)
+        assert torch.equal(got, expected_layer), call
+        stats = assert_traffic_matches_plan(m)
+        assert (stats.calls, stats.fetch_count, stats.bytes_transferred) == (1, 1, layer_bytes), call
+        assert not [w for w in caught if "outside its offloaded graphs" in str(w.message)], call
+    assert hidden_states_match()
+
+
 def test_fullgraph_around_an_offloaded_model_names_the_boundary():
     model, inputs, plain = _llama()
     m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu"))

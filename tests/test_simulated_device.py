@@ -370,6 +370,42 @@ def test_a_tiny_llama_generates_as_on_the_cpu():
     assert torch.equal(got.cpu(), expected)
 
 
+def test_a_decoder_layer_by_hand_fetches_its_group_once_per_call_on_the_device():
+    """A tiny Llama's decoder layer called by hand (its output-capturing hooks installed at offloading) is one
+    graph on the device: each call fetches the layer's group once, as planned, and equals the CPU layer; the
+    model's output_hidden_states=True call, before and after, equals the CPU model's."""
+    from offload_compiler import offload_groups
+    from offload_compiler.testing.models import llama
+    model, kwargs = llama(layers=2)
+    plain = copy.deepcopy(model).eval().requires_grad_(False)
+    ids = kwargs["input_ids"]
+    with torch.no_grad():
+        embedded = plain.get_input_embeddings()(ids)
+        rotary = plain.model.rotary_emb(embedded, torch.arange(ids.shape[1])[None])
+        expected_layer = plain.model.layers[0](embedded, position_embeddings=rotary)
+        expected_hidden = plain(input_ids=ids, output_hidden_states=True).hidden_states
+    m = offload_compile(copy.deepcopy(model).eval(), _policy(prefetch=1))
+    layer_bytes = {g.name: g.nbytes for g in offload_groups(m)}["model.layers.0"]
+    on_device = [t.to(DEVICE) for t in (embedded, *rotary)]
+
+    def check_hidden_states():
+        with torch.no_grad():
+            got = m(input_ids=ids.to(DEVICE), output_hidden_states=True).hidden_states
+        assert len(got) == len(expected_hidden)
+        for g, e in zip(got, expected_hidden):
+            torch.testing.assert_close(g.cpu(), e)
+
+    check_hidden_states()
+    for call in range(2):  # the first compiles the layer's graph; the second is a steady call
+        reset_offload_stats(m)
+        with torch.no_grad():
+            got = m.model.layers[0](on_device[0], position_embeddings=tuple(on_device[1:]))
+        torch.testing.assert_close(got.cpu(), expected_layer)
+        stats = assert_traffic_matches_plan(m)
+        assert (stats.calls, stats.fetch_count, stats.bytes_transferred) == (1, 1, layer_bytes), call
+    check_hidden_states()
+
+
 @pytest.mark.slow
 def test_auto_on_an_encoder_decoder_generates_from_its_encoder_first():
     """``generate`` of an encoder-decoder calls its encoder before the whole model: ``auto`` streams that part

@@ -25,6 +25,7 @@ from torch import nn
 from .._torch_private import compile_under_config, config_for_call, filter_fake_tensor_log, inlined_only, \
     is_tracing_error, leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, \
     short_reason, symbolic_sizes, user_frame
+from .._transformers_private import hooks_see_the_active_collector
 from ..backend import RuntimeBackend
 from ..errors import OffloadRefusal
 from ..host_masters import GUARD_FILTER, HostMaster
@@ -317,7 +318,8 @@ def _route_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     routed = state.routed_forward(module, part_forward)
     outside = state.outside if state.call_depth else None
     if outside is None:  # by hand, outside any offloaded call
-        return routed(*args, **kwargs)
+        with _collector_shown_by_hand():
+            return routed(*args, **kwargs)
     before = outside.runtime.bytes_transferred  # within an offloaded call: said at its end (`Outside`)
     try:
         return routed(*args, **kwargs)
@@ -326,6 +328,16 @@ def _route_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 _route = torch.compiler.disable(_route_call, reason=BOUNDARY)
+
+
+def _collector_shown_by_hand() -> Any:
+    """A part called by hand has no transformers ``capture_outputs`` call around it, which would let its graph
+    read the output collector in its hooks; shown here, the part is one graph (one fetch of its group) rather
+    than a graph per hooked submodule. Only where this thread runs no offloaded call: so the lock it takes is
+    never taken while this thread holds a model's lock (the order is always that lock, then the model's)."""
+    if OFFLOADED_CALLS.entered:
+        return contextlib.nullcontext()
+    return hooks_see_the_active_collector()
 
 
 def part_forward(module: nn.Module, state: OffloadState) -> "_OffloadedForward":

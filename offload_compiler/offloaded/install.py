@@ -3,11 +3,11 @@ classes swapped and its forwards installed."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from torch import nn
 
+from .._transformers_private import install_capturing_hooks
 from ..backend import build_runtime
 from ..host_masters import HostMaster
 from ..components import DIT_MODULES, pipeline_streamed
@@ -34,31 +34,8 @@ def install_output_capture(model: nn.Module) -> None:
     vision-language model reading its vision tower's hidden states) -- they are taken under a threading lock,
     which dynamo cannot trace: that call's graph breaks (``strategy="auto"``, which plans from one graph, is
     refused), and the hooks appear after the graphs were captured. Installed before offloading, the graphs are
-    captured with them from the start.
-
-    Installing on a model also installs on every model nested in it, whether or not that one has its hooks
-    already (it has once it was called with ``output_hidden_states``: CLIPTextModel inside
-    CLIPTextModelWithProjection, before offloading). A second set would record every layer twice: so a model
-    gets them only when none inside it has any, else its submodules are looked at in turn."""
-    if "transformers" not in sys.modules:  # then no module here is a transformers model
-        return
-    try:
-        from transformers import PreTrainedModel
-        from transformers.utils.output_capturing import maybe_install_capturing_hooks
-    except ImportError:  # a transformers version without lazy output capture
-        return
-
-    def hooked(module: nn.Module) -> bool:
-        return getattr(module, "_output_capturing_hooks_installed", False)
-
-    def install(module: nn.Module) -> None:
-        if isinstance(module, PreTrainedModel) and not any(hooked(sub) for sub in module.modules()):
-            maybe_install_capturing_hooks(module)
-            return
-        for child in module.children():
-            install(child)
-
-    install(model)
+    captured with them from the start. Nested models are hooked once (`install_capturing_hooks`)."""
+    install_capturing_hooks(model)
 
 
 def refuse_other_offloaders(model: Any) -> None:
