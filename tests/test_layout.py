@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 RUNTIME_ORDER = ["device", "copier", "layout", "disk", "slots", "pinning", "host", "stats", "transfers", "facade"]
 # the entry layer's modules (the offloaded package), lowest first, the same rule: `state` below every module that
 # reads or changes the state, the entry routes on top
-OFFLOADED_ORDER = ["hooks", "outside", "pipeline", "call_io", "state", "auto_plan", "targets", "forwards", "module",
+OFFLOADED_ORDER = ["hooks", "outside", "pipeline", "call_io", "kept", "state", "auto_plan", "targets", "forwards", "module",
                    "install", "backend_route"]
 # modules that import nothing of the package
 LEAVES = {"offload_compiler.policy", "offload_compiler.errors", "offload_compiler.gc_during_capture"}

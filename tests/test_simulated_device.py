@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_compiler import (OffloadPolicy, inject_fault, offload_compile, offload_stats, release_device_copies,
+from offload_compiler import (OffloadPolicy, OffloadRefusal, inject_fault, offload_compile, offload_stats, release_device_copies,
                               remove_offload, reset_offload_stats)
 from offload_compiler.testing import (BlockSpec, ModelSpec, OrderingViolation, assert_offload_equivalent,
                                       assert_traffic_matches_plan, build_block_model, simulated_device)
@@ -819,3 +819,39 @@ def test_remove_offload_gives_weights_kept_on_the_device_back_to_the_host(strate
         assert torch.equal(run(plain, "cpu"), expected)
     after = [t for m_ in modules for t in [*m_.parameters(), *m_.buffers()]]
     assert len(after) == len(weights) and all(torch.equal(a, b) for a, b in zip(after, weights.values()))
+
+
+_PART_CONVERSIONS = {
+    ".half()": (lambda part: part.half(), OffloadRefusal, r"nothing was changed.*remove_offload\(m\)\.to\(dtype\)"),
+    ".to(bfloat16)": (lambda part: part.to(torch.bfloat16), OffloadRefusal, "remove_offload"),
+    ".to_empty()": (lambda part: part.to_empty(device="cpu"), OffloadRefusal, "remove_offload"),
+    ".to('meta')": (lambda part: part.to("meta"), RuntimeError, "cannot run a model"),
+    ".cpu()": (lambda part: part.cpu(), UserWarning, "ignored"),
+    ".share_memory()": (lambda part: part.share_memory(), OffloadRefusal, r"remove_offload\(m\)\.share_memory\(\)"),
+}
+
+
+@pytest.mark.parametrize("conversion", list(_PART_CONVERSIONS))
+def test_a_part_converted_by_hand_keeps_its_offloaded_weights(conversion):
+    """``m.blocks[0].half()``, ``.to_empty()``, ``.to("meta")``, ``.cpu()`` on a part: ``nn.Module._apply`` would
+    replace each weight whose converted tensor it cannot swap in by a new plain parameter (on a device that is not
+    the host: the weights silently left their host buffers, ``.to("meta")`` dropped their values, and every later
+    call was refused). Each is refused naming the fix, or ignored with a warning as for the model; the weights are
+    the same masters over the same bytes, and the next call streams exactly the plan."""
+    model, x = _model()
+    m = offload_compile(copy.deepcopy(model), _policy())
+    part = m.blocks[0]
+    before = {name: (p, p.host.clone()) for name, p in m.named_parameters()}
+    convert, expected, fix = _PART_CONVERSIONS[conversion]
+    if issubclass(expected, Warning):
+        with pytest.warns(expected, match=fix):
+            assert convert(part) is part
+    else:
+        with pytest.raises(expected, match=fix):
+            convert(part)
+    for name, p in m.named_parameters():
+        assert p is before[name][0] and torch.equal(p.host, before[name][1]), name
+    reset_offload_stats(m)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
+    assert_traffic_matches_plan(m)

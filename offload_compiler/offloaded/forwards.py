@@ -34,6 +34,7 @@ from ..planning.capture import own_frame
 from ..runtime import OffloadRuntime
 from .auto_plan import plan_component, plan_model
 from .call_io import describe_inputs, inference_only, moved_to, tensor_leaves, user_stacklevel
+from .kept import KeptWeights
 from .state import OFFLOADED_CALLS, OWN_FORWARD, PART_OF, OffloadState
 from .targets import entry_methods, modules_with_forwards, region_blocks, weight_holders
 
@@ -216,7 +217,7 @@ def _tracing_an_offloaded_call() -> bool:
     return getattr(OFFLOADED_CALLS, "depth", 0) > 0
 
 
-class RoutedPart(nn.Module):
+class RoutedPart(KeptWeights):
     """The class every other module holding offloaded weights (a block, a layer's projection, a tied ``lm_head``)
     gets while offloaded: a subclass of this and of its own class, one per class (`routed_class`), named like it.
     Where dynamo traces an offloaded call, its ``forward`` traces straight into the class's own (the graph fetches
@@ -230,6 +231,9 @@ class RoutedPart(nn.Module):
     and guards nothing per module beyond what the plain model's graph guards. The forward is `_routed_forward`'s."""
 
     _offload_region = None  # the class's forward as a nested compile region (`routed_class(cls, region=True)`)
+
+    def _compute_device(self) -> torch.device:
+        return self.__dict__[PART_OF].policy.torch_device
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """A copy of a part (``copy.deepcopy(m.model.layers[0])``) is a plain module of its own class."""
@@ -309,8 +313,8 @@ def routed_class(cls: type, region: bool = False, own_forward: bool = False) -> 
 
 
 def base_class(routed: type) -> type:
-    """The module's own class, of a `routed_class`."""
-    return routed.__mro__[2]
+    """The module's own class, of a `routed_class` (its second base, after `RoutedPart`)."""
+    return routed.__bases__[1]
 
 
 def _route_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
