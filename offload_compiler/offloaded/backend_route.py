@@ -13,6 +13,7 @@ from .._torch_private import compiled_models
 from ..backend import build_runtime, compile_graph
 from ..errors import OffloadRefusal
 from ..policy import OffloadPolicy
+from ..runtime.device import is_accelerator
 from .forwards import install_forwards
 from .install import attach, refuse_other_offloaders
 from .state import OffloadState, Phase, state_of
@@ -33,6 +34,14 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
     if policy.strategy == "auto":
         raise ValueError("strategy='auto' plans before compiling: use offload_compiler.offload_compile(model, "
                          "OffloadPolicy(strategy='auto', device_budget_gb=...)) instead of torch.compile")
+    if is_accelerator(policy.torch_device):
+        raise OffloadRefusal(
+            f"torch.compile(model, backend='omni_offload') streams only where the device is the host (device='cpu'): "
+            f"torch traces the model before the backend sees it, over its own weights, so weights in host memory "
+            f"meet inputs on {policy.device} in that trace (or, on the host, the graph mixes both devices), and "
+            f"weights already on {policy.device} cannot be pointed at host buffers. Nothing was changed. Use "
+            f"offload_compiler.offload_compile(model, OffloadPolicy(..., device='{policy.device}')), which makes "
+            f"the weights device-typed before any trace, and call it with inputs on {policy.device}")
     root = model_holding(example_inputs)
     if root is None:
         raise OffloadRefusal(
