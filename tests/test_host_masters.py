@@ -202,6 +202,34 @@ def test_conversions_that_change_no_weight_are_no_ops_and_real_ones_are_refused(
     _still_streams_unchanged(m, model, x, snapshot, traffic)
 
 
+class _Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Conv2d(3, 3, 3, padding=1) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x).relu()
+        return x
+
+
+def test_a_memory_format_change_is_refused_and_one_that_changes_nothing_is_a_no_op(device):
+    """``m.to(memory_format=torch.channels_last)`` converts a plain model's 4-d weights; on an offloaded model (and
+    on one of its parts) it was silently ignored, the weights kept their layout. A real change is refused as a
+    dtype change is; one that changes nothing (weights already in that layout, ``preserve_format``) is a no-op."""
+    model = _Convs().eval().requires_grad_(False)
+    x = torch.randn(1, 3, 6, 6)
+    m = offload_compile(copy.deepcopy(model), _policy(device, blocks_attr="blocks"))
+    _run(m, x)
+    traffic, snapshot = offload_stats(m).bytes_transferred, _snapshot(m)
+    for target in (m, m.blocks[1]):
+        with pytest.raises(OffloadRefusal, match=r"layout.*nothing was changed"):
+            target.to(memory_format=torch.channels_last)
+        assert target.to(memory_format=torch.contiguous_format) is target
+        assert target.to(memory_format=torch.preserve_format) is target
+    _still_streams_unchanged(m, model, x, snapshot, traffic)
+
+
 def test_a_frame_run_without_a_graph_reads_weights_on_demand_counted(device):
     """A forward calling a function that dynamo must not compile, which reads a weight directly: that frame
     runs without a graph; its read computes on a device copy of the weight (on ``cpu``: on the host bytes in

@@ -27,6 +27,9 @@ class KeptWeights(nn.Module):
         device, dtype = _to_target(*args, **kwargs)
         if dtype is not None:  # a no-op where every weight has that dtype already, as for a plain module
             self._apply(_dtype_conversion(dtype))
+        memory_format = kwargs.get("memory_format")
+        if memory_format not in (None, torch.preserve_format):  # as nn.Module.to: 4-d and 5-d tensors take it
+            self._apply(lambda t: t.contiguous(memory_format=memory_format) if t.dim() in (4, 5) else t)
         if device is not None:
             here = self._compute_device()
             try:  # a device this machine does not have is an error, as it is for a plain module
@@ -55,10 +58,10 @@ class KeptWeights(nn.Module):
         tensors = [*self.parameters(recurse=recurse), *self.buffers(recurse=recurse)]
         if all(_unchanged_by(fn, t) for t in tensors):
             return self
-        raise OffloadRefusal(f"changing the dtype, device or storage of an offloaded module's weights ({type(self).__name__}"
-                             f": .half(), .to(dtype), .to_empty(), ...) would detach them from their host buffers; "
-                             f"nothing was changed. Convert first: offload_compile(remove_offload(m).to(dtype), "
-                             f"policy)")
+        raise OffloadRefusal(f"changing the dtype, device, layout or storage of an offloaded module's weights "
+                             f"({type(self).__name__}: .half(), .to(dtype), .to(memory_format=...), .to_empty(), ...) "
+                             f"would detach them from their host buffers; nothing was changed. Convert first: "
+                             f"offload_compile(remove_offload(m).to(dtype), policy)")
 
     def share_memory(self) -> "KeptWeights":
         # share_memory() readies a model to be sent to other processes, which an offloaded model cannot be (it
