@@ -117,7 +117,7 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime
                   ) -> tuple[fx.GraphModule, int, GraphPlan]:
     """The pure part: a captured graph and its runtime's layout → the rewritten, verified graph."""
-    weights = weight_inputs(gm, example_inputs, runtime.group_of)
+    weights = weight_inputs(gm, example_inputs, runtime.group_of, lambda g, s: runtime.groups[g].slots[s].name)
     streamed = {g.index for g in runtime.groups if g.streamed}
     # groups this graph reads only by indices (a table's lookup, routed experts): their reads become routed
     # fetches of the rows named, outside the schedule

@@ -883,3 +883,70 @@ def test_a_part_converted_by_hand_keeps_its_offloaded_weights(conversion):
     with torch.no_grad():
         torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
     assert_traffic_matches_plan(m)
+
+
+class _ReturnsWeightViews(nn.Module):
+    """Returns views of streamed weights (``w.detach().T``, ``w[1]``) and keeps one on the module for later calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, keep: bool = False):
+        if keep:
+            self.kept = self.blocks[1].weight.t()
+        for block in self.blocks:
+            x = block(x)
+        return x, self.blocks[0].weight.detach().T, self.blocks[2].weight[1], self.kept
+
+
+@pytest.mark.parametrize("device", [DEVICE, "cpu"])
+@pytest.mark.parametrize("strategy", ["layerwise", "sequential"])
+def test_views_of_streamed_weights_that_leave_the_graph_are_copies_of_their_values(strategy, device):
+    """A view of a streamed weight returned by the forward (or kept on the module and returned later) was a view
+    of the weight's device slot, which the next group's fill overwrote: another block's weight, silently, on the
+    CPU; on this device, every later call raised an ordering violation while the view lived. Each such view is
+    copied out of the slot right after it is made (the evict follows the copy): the plain model's values, every
+    call, and the planned traffic."""
+    torch.manual_seed(0)
+    model = _ReturnsWeightViews().eval().requires_grad_(False)
+    model.kept = model.blocks[1].weight.t()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        expected = [t.clone() for t in model(x)]
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy=strategy, prefetch=0, device=device,
+                                                            compiler="eager", debug_poison=True))
+    xd = x.to(device)
+    outputs = []
+    for keep in (True, False, False):
+        reset_offload_stats(m)
+        with torch.no_grad():
+            outputs.append(m(xd, keep=keep))
+        assert_traffic_matches_plan(m)
+    for out in outputs:  # the earlier calls' views too, after later calls refilled the slots
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-6)
+
+
+def test_a_deep_copy_of_a_part_is_a_plain_module_in_host_memory():
+    """``copy.deepcopy(m.blocks[0])`` gave a module of its own class whose weights were still host masters on
+    the device (a CPU input then failed with a device mismatch); the copy is plain: parameters of their own on the
+    host with the part's values, a write into it leaves the offloaded model unchanged."""
+    model, x = _model()
+    m = offload_compile(copy.deepcopy(model), _policy())
+    part = m.blocks[0]
+    before = {name: p.host.clone() for name, p in part.named_parameters()}
+    copied = copy.deepcopy(part)
+    assert type(copied) is type(model.blocks[0])
+    for name, p in copied.named_parameters():
+        assert type(p) is nn.Parameter and p.device.type == "cpu" and torch.equal(p, before[name]), name
+    h = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(h), model.blocks[0](h), rtol=0, atol=0)  # on the host, as the plain block
+        for p in copied.parameters():
+            p.add_(1)
+    assert all(torch.equal(p.host, before[name]) for name, p in part.named_parameters())
+    reset_offload_stats(m)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
+    assert_traffic_matches_plan(m)

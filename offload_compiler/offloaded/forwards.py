@@ -236,10 +236,15 @@ class RoutedPart(KeptWeights):
         return self.__dict__[PART_OF].policy.torch_device
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
-        """A copy of a part (``copy.deepcopy(m.model.layers[0])``) is a plain module of its own class."""
+        """A copy of a part (``copy.deepcopy(m.model.layers[0])``) is a plain module of its own class, its weights
+        plain tensors in host memory holding copies of their values (ties within the copy kept)."""
         copied = object.__new__(base_class(type(self)))
         memo[id(self)] = copied
         copied.__dict__.update(self._plain_attributes(lambda value: copy.deepcopy(value, memo)))
+        for table, parameter in ((copied._parameters, True), (copied._buffers, False)):
+            for name, value in table.items():
+                if isinstance(value, HostMaster):  # a copied master (its own copy of the bytes) -> plain, once
+                    table[name] = memo.setdefault(("offload_plain", id(value)), _plain_tensor(value, parameter))
         return copied
 
     def __copy__(self) -> nn.Module:
@@ -261,6 +266,11 @@ class RoutedPart(KeptWeights):
         state = self.__dict__[PART_OF]
         raise TypeError(f"{type(self).__name__} is part of the offloaded {state.name}: pickle or "
                         f"torch.save() its state_dict(), or the model returned by remove_offload(m)")
+
+
+def _plain_tensor(master: HostMaster, parameter: bool) -> torch.Tensor:
+    """A copied master's bytes as a plain tensor (a parameter where it was one)."""
+    return nn.Parameter(master.host, requires_grad=master.requires_grad) if parameter else master.host
 
 
 def _routed_forward(traced: Any) -> Any:

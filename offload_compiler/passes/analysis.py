@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -30,11 +30,15 @@ class WeightInput:
 @dataclasses.dataclass(frozen=True)
 class Reads:
     """The readers of one placeholder through one direct user: ``leaves`` are the nodes that consume the
-    weight's data (the evict must follow them); ``unordered`` is set when a reader cannot be depended on
-    (the weight escapes as a graph output), so the weight must not be poisoned on eviction."""
+    weight's data (the evict must follow them); ``escapes`` the views of the weight that are graph outputs (a
+    slot's bytes would leave the graph, and be overwritten by the slot's next fill: each is copied out right
+    after it is made, and the evict follows the copy); ``unordered`` is set when a reader cannot be depended on
+    (the weight itself, or a tuple of its views, escapes as a graph output), so the weight must not be poisoned
+    on eviction."""
     direct: fx.Node
     leaves: tuple[fx.Node, ...]
     unordered: bool
+    escapes: tuple[fx.Node, ...] = ()
 
 
 class WeightMutatedError(OffloadRefusal):
@@ -134,16 +138,20 @@ def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
     storage = _storage(_value(placeholder))
     storages = {storage} if storage is not None else set()  # the weight's, and those of results that may be it
     leaves: list[fx.Node] = []
+    escapes: list[fx.Node] = []
     unordered = False
     stack, seen = [(direct, placeholder)], set()
     while stack:
         node, source = stack.pop()
+        if node.op == "output":  # (seen from each view it returns)
+            if source is not placeholder and isinstance(_value(source), torch.Tensor):
+                escapes.append(source)
+            else:
+                unordered = True
+            continue
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "output":
-            unordered = True
-            continue
         if _is_transfer_op(node):  # (re-derived on the rewritten graph) an evict's or a transfer's dependency
             continue
         if _is_inplace(node) and node.args and isinstance(node.args[0], fx.Node) and _aliases(
@@ -164,18 +172,19 @@ def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
             if _storage(value) is not None:
                 storages.add(_storage(value))
         stack.extend((user, node) for user in node.users)
-    return Reads(direct, tuple(dict.fromkeys(leaves)), unordered)
+    return Reads(direct, tuple(dict.fromkeys(leaves)), unordered, tuple(dict.fromkeys(escapes)))
 
 
-def weight_inputs(gm: fx.GraphModule, example_inputs: Iterable, group_of: dict[int, tuple[int, int]]
-                  ) -> dict[fx.Node, WeightInput]:
-    """Placeholders whose real tensor is a registered weight (matched by identity)."""
+def weight_inputs(gm: fx.GraphModule, example_inputs: Iterable, group_of: dict[int, tuple[int, int]],
+                  name_of: Callable[[int, int], str] | None = None) -> dict[fx.Node, WeightInput]:
+    """Placeholders whose real tensor is a registered weight (matched by identity), named in messages by
+    ``name_of(group, slot)`` (the weight's name in the model), else by the placeholder's."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     found = {}
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, torch.Tensor) and id(value) in group_of:
             group, slot = group_of[id(value)]
-            found[node] = WeightInput(group, slot, node.name)
+            found[node] = WeightInput(group, slot, name_of(group, slot) if name_of is not None else node.name)
     return found
 
 
@@ -191,7 +200,7 @@ def collect_uses(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], stream
             reads.setdefault((user, w.group), []).append(readers(placeholder, user, w.name))
     uses = []
     for (user, group), rs in reads.items():
-        end = max([position[user]] + [position[leaf] for r in rs for leaf in r.leaves])
+        end = max([position[user]] + [position[leaf] for r in rs for leaf in (*r.leaves, *r.escapes)])
         uses.append(Use(group, position[user], end, key=(user, group)))
     return uses, reads
 

@@ -128,6 +128,7 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
         slots_in_graph.setdefault(w.group, set()).add(w.slot)
     to_materialize = {leaf for rs in reads.values() for r in rs for leaf in r.leaves if needs_materializing(leaf)
                       } if materialize_readers else set()
+    to_materialize |= {view for rs in reads.values() for r in rs for view in r.escapes}  # out of the slot
 
     prefetch_of = {}
     for inst in schedule.instances:
@@ -205,7 +206,8 @@ def insert_transfers(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], sc
         for inst in evicts_at.get(position, []):
             items, _ = fetched[inst.index]
             rs = [r for use in inst.uses for r in reads[use.key]]
-            leaves = _plain_readers(graph, list(dict.fromkeys(env[leaf] for r in rs for leaf in r.leaves)))
+            leaves = _plain_readers(graph, list(dict.fromkeys(env[leaf] for r in rs
+                                                              for leaf in (*r.leaves, *r.escapes))))
             parked = inst.index in park
             poison = not parked and not any(r.unordered for r in rs)
             token = graph.call_function(OPS.evict.default, (runtime_id, inst.group, poison, items, leaves, parked))
