@@ -9,6 +9,7 @@ skipped, since they test the simulator."""
 import copy
 import gc
 import os
+import warnings
 
 import pytest
 import torch
@@ -950,3 +951,38 @@ def test_a_deep_copy_of_a_part_is_a_plain_module_in_host_memory():
     with torch.no_grad():
         torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
     assert_traffic_matches_plan(m)
+
+
+class _RaisesInItsLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, fail: bool = False):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if fail and i == 1:
+                raise RuntimeError("the model's own error")
+        return x
+
+
+def test_a_call_the_model_fails_inside_its_loop_leaves_the_next_call_one_graph():
+    """The model's own ``raise`` inside its block loop, traced: dynamo gives up on the frames of that call and
+    runs them without a graph from then on, so the next call ran each block as a graph of its own (the warning
+    about code run outside the graphs came one call late, on a call that was fine). A failed call that ran code
+    outside its graphs has its frames compiled afresh: the next call is one graph again, the plan's traffic."""
+    torch.manual_seed(0)
+    model = _RaisesInItsLoop().eval().requires_grad_(False)
+    x = torch.randn(2, 8)
+    m = offload_compile(copy.deepcopy(model), _policy())
+    xd = x.to(DEVICE)
+    with torch.no_grad():
+        m(xd)
+        with pytest.raises(RuntimeError, match="the model's own error"):
+            m(xd, fail=True)
+        reset_offload_stats(m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "ran outside its offloaded graphs"
+            out = m(xd)
+    torch.testing.assert_close(out.cpu(), _plain(model, x))
+    assert assert_traffic_matches_plan(m).calls == 1

@@ -107,11 +107,12 @@ class _OffloadedForward:
                 with torch.no_grad(), config_for_call(compiled, state.limits), state.tracing_through(), measure:
                     out = self._run(compiled, args, kwargs)
             except BaseException as exc:
-                if is_tracing_error(exc):
+                if is_tracing_error(exc) or (outer and state.outside.end()):
                     # dynamo may have given up on a frame of this failed call (the model's own ``raise`` on a bad
                     # input, traced: "Failed to handle graph break gracefully") and run that code object without
-                    # a graph from then on: our forwards' frames included, so every later call would read its
-                    # weights on demand. Fresh code objects for them (`own_frame`) at the next call.
+                    # a graph from then on -- our forwards' frames included, so later calls would run their parts
+                    # as graphs of their own, or read weights on demand: a call that failed with code run outside
+                    # its graphs shows it. Fresh code objects for them (`own_frame`) at the next call.
                     state.recompile()
                 raise
             finally:
