@@ -29,6 +29,7 @@ from .offloaded import state_of
 from .planning.planner import InfeasibleBudgetError
 from .config import load_stage_configs, policy_from_engine_args, warn_user
 from .policy import IMPLEMENTED_STRATEGIES, OffloadPolicy
+from .runtime.pinning import can_pin
 
 
 def builtin_model_names() -> list[str]:
@@ -209,6 +210,10 @@ def pinning_note(policy: OffloadPolicy, runtime: Any) -> str | None:
     if runtime.device.type == "cpu":
         return ("pin_memory=True but pinned=False: the compute device is the cpu (no accelerator); pinned memory "
                 "only speeds up copies to an accelerator, so there is nothing to pin")
+    if not can_pin(runtime.device):
+        return (f"pin_memory=True but pinned=False: {runtime.device.type} has no pinned host memory in this torch "
+                f"(not CUDA, nor torch's current accelerator: a simulated or out-of-tree device); weights stay in "
+                f"pageable host memory")
     return ("pin_memory=True but pinned=False: pinned host memory was unavailable (see the warning); weights stay "
             "in pageable host memory")
 

@@ -62,6 +62,18 @@ def test_text_plan_says_why_nothing_is_pinned_and_plots_any_strategy(tmp_path, c
     assert (tmp_path / "residency.png").stat().st_size > 0 and f"saved {tmp_path / 'residency.png'}" in captured.err
 
 
+def test_the_pinning_note_on_a_device_without_pinned_memory_gives_the_reason(capsys):
+    """On a device whose torch has no pinned memory (the simulated accelerator) nothing warns, so the note says
+    why instead of pointing at a warning that never came."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device()
+    args = [a if a != "cpu" else device for a in PLAN_LLAMA]
+    assert device in args
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "pinned=False: sim has no pinned host memory in this torch" in out and "see the warning" not in out
+
+
 @pytest.mark.slow
 def test_no_pinning_note_when_pin_memory_is_off(capsys):
     assert main(PLAN_LLAMA + ["--no-cpu-offload-pin-memory"]) == 0

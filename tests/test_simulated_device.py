@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from offload_compiler import (OffloadPolicy, OffloadRefusal, inject_fault, offload_compile, offload_stats, release_device_copies,
                               remove_offload, reset_offload_stats)
@@ -61,6 +62,18 @@ def test_ops_compute_as_on_the_cpu_and_a_host_tensor_raises_at_the_op():
 
 
 @simulator_only
+@simulator_only
+def test_a_group_norm_of_a_channels_last_input_computes_as_on_the_cpu():
+    """A VAE decoder at batch 2 (``num_images_per_prompt=2``, a negative prompt) group-normalizes a channels_last
+    tensor: torch's decomposition for a device without a kernel of its own took a view it cannot give, and the
+    plain pipeline failed on this device."""
+    norm = nn.GroupNorm(4, 8)
+    x = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        out = F.group_norm(x.to(DEVICE), 4, norm.weight.to(DEVICE), norm.bias.to(DEVICE))
+        torch.testing.assert_close(out.cpu(), norm(x))
+
+
 def test_what_cuda_allows_the_device_allows():
     """A composite op's Python scalar (``x % 16`` reaches the kernel as remainder.Tensor_out with the number) and
     host index tensors of advanced indexing (CUDA copies them over) compute as on CUDA; any other host tensor
@@ -441,6 +454,26 @@ def test_a_pipeline_streams_on_the_device_and_keeps_its_vae_there(strategy, fiel
     assert stats.fetch_count > 0 and stats.on_demand_bytes == 0 and stats.peak_resident_bytes < stats.total_bytes
     if strategy == "layerwise":
         assert_traffic_matches_plan(p)
+
+
+@pytest.mark.slow
+def test_a_diffusers_pipeline_with_two_images_per_prompt_and_a_negative_prompt_streams_on_the_device():
+    """diffusers' SD3 pipeline (CLIP, T5, SD3 transformer, VAE), two images per prompt and a negative prompt:
+    the batch the VAE decodes is channels_last where the device had no group norm for it. The images equal the
+    CPU pipeline's; a steady call streams exactly the plan."""
+    from offload_compiler.testing.pipelines import sd3_pipeline
+    pipe, kwargs = sd3_pipeline()
+    call = {k: v for k, v in kwargs.items() if k != "generator"}
+    call.update(num_images_per_prompt=2, negative_prompt="a dog")
+    with torch.no_grad():
+        expected = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    offload_compile(pipe, _policy())
+    for _ in range(2):
+        reset_offload_stats(pipe)
+        with torch.no_grad():
+            images = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+        torch.testing.assert_close(images.cpu(), expected, rtol=0, atol=1e-5)
+    assert_traffic_matches_plan(pipe)
 
 
 @pytest.mark.slow

@@ -780,7 +780,10 @@ def _module() -> types.ModuleType:
 # fails to find the op ("func != nullptr"); a kernel registered for the op itself is found
 _DIRECT_OPS = ("empty.memory_format", "empty_strided", "copy_", "_copy_from", "_copy_from_and_resize", "lift_fresh",
                # and ops whose kernel for every backend key raises (an out-of-tree device must register its own)
-               "convolution_overrideable")
+               "convolution_overrideable",
+               # and ops whose decomposition for a device without a kernel of its own takes a view that a
+               # channels_last input cannot give (a VAE's group norm at batch 2): torch's CPU kernel instead
+               "native_group_norm")
 
 
 def _register_direct(library: torch.library.Library) -> None:
