@@ -63,3 +63,18 @@ def test_eager_equivalence_is_bit_exact_where_torch_rounds_by_requires_grad():
     report = assert_offload_equivalent(_PermutedLinears(), OffloadPolicy(strategy="layerwise", device="cpu"),
                                        torch.randn(1, 4, 2, 8, 8))
     assert report.max_abs_diff == 0.0 and report.bytes_transferred > 0
+
+
+@settings(max_examples=4)
+@given(block_models(max_blocks=3), policies(strategies=["alternating"], components=["blocks.0"]))
+def test_the_component_strategies_draw_valid_policies_for_the_components_named(model_and_input, policy):
+    """``policies`` drew ``prefetch_next_call`` for the component strategies, which refuse it, and took no
+    components: a user's property-based test failed while drawing."""
+    model, x = model_and_input
+    assert policy.components == ("blocks.0",) and not policy.prefetch_next_call and not policy.keep_after_use
+    assert_offload_equivalent(model, policy, x)
+
+
+def test_the_component_strategies_without_components_name_the_argument():
+    with pytest.raises(ValueError, match=r"components=\['encoder'"):
+        policies(strategies=["alternating"])

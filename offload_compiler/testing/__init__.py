@@ -25,7 +25,7 @@ from torch import nn
 from .._tree import tensors_of, to_device
 from ..api import offload_compile, offload_stats
 from ..offloaded import state_of
-from ..policy import REGIONS_TAKE_OFFLOADED_WEIGHTS, OffloadPolicy
+from ..policy import COMPONENT_STRATEGIES, REGIONS_TAKE_OFFLOADED_WEIGHTS, OffloadPolicy
 from ..runtime import OffloadStats
 from .simulated import OrderingViolation, simulated_device  # noqa: F401 (public: the simulated accelerator)
 
@@ -131,21 +131,39 @@ if st is not None:
         return st.builds(build_block_model, model_specs(max_blocks), st.integers(0, 2**16))
 
     def policies(strategies: Sequence[str] = GENERIC_STRATEGIES, devices: Sequence[str] = ("cpu",),
-                 compilers: Sequence[str] = ("eager",), max_prefetch: int = 3) -> "st.SearchStrategy[OffloadPolicy]":
+                 compilers: Sequence[str] = ("eager",), max_prefetch: int = 3,
+                 components: Sequence[str] | None = None) -> "st.SearchStrategy[OffloadPolicy]":
         """Valid policies; ``budget`` draws offload_gb from nothing to more than a small model holds; ``auto``
         plans within the free device memory; ``regional`` on or off (off only, on a torch that has no regions
-        over offloaded weights). The default strategies apply to any model;
-        the component strategies need named components."""
+        over offloaded weights). The default strategies apply to any model; ``alternating`` takes the model's
+        ``components`` (paths, as `OffloadPolicy` takes them; ``sequential`` takes them too where given) and
+        streams them (``keep_after_use=False``); the component strategies never draw ``prefetch_next_call``,
+        which they refuse (``model`` finds its components itself)."""
+        components = list(components) if components is not None else None
+        if components is None and "alternating" in strategies:
+            raise ValueError(f"policies(strategies={list(strategies)!r}): the component strategies offload named "
+                             f"components of your model; pass them: policies(..., components=['encoder', ...])")
+
         def build(strategy, device, compiler, prefetch, per_group, budget_kib, wrap, regional):
+            by_component = strategy in COMPONENT_STRATEGIES
             return OffloadPolicy(strategy=strategy, device=device, compiler=compiler, prefetch=prefetch,
                                  blocks_per_group=per_group, debug_poison=True,
                                  offload_gb=budget_kib / 2**20 if strategy == "budget" else None,
                                  device_budget_gb="free" if strategy == "auto" else None,
-                                 prefetch_next_call=wrap and prefetch > 0, regional=regional)
+                                 prefetch_next_call=wrap and prefetch > 0 and not by_component,
+                                 keep_after_use=strategy != "alternating", regional=regional,
+                                 components=components if strategy in ("alternating", "sequential") else None)
         return st.builds(build, st.sampled_from(list(strategies)), st.sampled_from(list(devices)),
                          st.sampled_from(list(compilers)), st.integers(0, max_prefetch), st.integers(1, 2),
                          st.integers(0, 64), st.booleans(),
                          st.booleans() if REGIONS_TAKE_OFFLOADED_WEIGHTS else st.just(False))
+else:
+    def _needs_hypothesis(*_: Any, **__: Any) -> Any:
+        raise ImportError("offload_compiler.testing's property-based helpers (model_specs, block_models, policies) "
+                          "draw with hypothesis, which is not installed: pip install hypothesis (or "
+                          "pip install 'offload_compiler[test]')")
+
+    model_specs = block_models = policies = _needs_hypothesis
 
 
 # -- the checks -----------------------------------------------------------------------------------------
