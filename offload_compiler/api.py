@@ -111,9 +111,13 @@ def _check_saving(model: nn.Module, policy: OffloadPolicy) -> None:
 
 def device_weight_peak(runtime: OffloadRuntime) -> tuple[int, bool] | None:
     """Peak bytes of weights on the device, those kept there included: the verifier's over the captured graphs
-    (True), else, for a block strategy before its first call, `peak_estimate` (False); None otherwise."""
+    (True), else, for a block strategy before its first call, `peak_estimate` (False); None otherwise. A resident
+    group stays on the device once copied, whichever graph read it (a pipeline's text encoders while its
+    transformer's graph streams): the peak is the largest streamed peak of a graph plus every resident group."""
     if runtime.graph_plans:
-        return max(p.verified.peak_bytes for p in runtime.graph_plans) + runtime.unmanaged_bytes, True
+        resident = sum(g.nbytes for g in runtime.groups if not g.streamed)
+        return (max(p.verified.streamed_peak_bytes for p in runtime.graph_plans) + resident
+                + runtime.unmanaged_bytes, True)
     if runtime.policy.strategy not in BLOCK_STRATEGIES:
         return None
     policy = runtime.policy
