@@ -113,10 +113,12 @@ def device_weight_peak(runtime: OffloadRuntime) -> tuple[int, bool] | None:
     """Peak bytes of weights on the device, those kept there included: the verifier's over the captured graphs
     (True), else, for a block strategy before its first call, `peak_estimate` (False); None otherwise. A resident
     group stays on the device once copied, whichever graph read it (a pipeline's text encoders while its
-    transformer's graph streams): the peak is the largest streamed peak of a graph plus every resident group."""
-    if runtime.graph_plans:
-        resident = sum(g.nbytes for g in runtime.groups if not g.streamed)
-        return (max(p.verified.streamed_peak_bytes for p in runtime.graph_plans) + resident
+    transformer's graph streams): the peak is the largest streamed peak of a graph plus the resident groups of
+    every graph."""
+    plans = runtime.graph_plans
+    if plans:
+        resident = set().union(*(p.verified.resident_groups for p in plans))
+        return (max(p.verified.streamed_peak_bytes for p in plans) + sum(runtime.groups[g].nbytes for g in resident)
                 + runtime.unmanaged_bytes, True)
     if runtime.policy.strategy not in BLOCK_STRATEGIES:
         return None

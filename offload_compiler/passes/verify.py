@@ -33,6 +33,7 @@ class Verified:
     # a data-dependent subset of its weight's experts, at most its slot's)
     routed_fetches: int = 0
     routed_bound_bytes: int = 0
+    resident_groups: frozenset[int] = frozenset()  # whose copies stay on the device once made (``resident_bytes``)
 
     @property
     def peak_bytes(self) -> int:
@@ -96,6 +97,7 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
         raise ScheduleError("the copies this graph carries to its next call are not the ones it starts with")
     live = peak = carried  # in steady state the previous call's carried copies are alive at the start
     resident = fetches = routed = routed_bound = 0
+    resident_groups = set()
     for node in nodes:
         view = transfer_view(node)
         if view is None:
@@ -115,4 +117,5 @@ def verify(gm: fx.GraphModule, weights: dict[fx.Node, WeightInput], group_bytes:
             live -= group_bytes[view.group]
         elif isinstance(view, Resident):
             resident += group_bytes[view.group]
-    return Verified(peak, resident, fetches, carried, routed, routed_bound)
+            resident_groups.add(view.group)
+    return Verified(peak, resident, fetches, carried, routed, routed_bound, frozenset(resident_groups))
