@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from offload_compiler import OffloadedModule, OffloadPolicy, OffloadRefusal, offload_compile, remove_offload, \
-    reset_offload_stats
+from offload_compiler import OffloadedModule, OffloadPolicy, OffloadRefusal, offload_compile, offload_stats, \
+    remove_offload, reset_offload_stats
 from offload_compiler.testing import assert_traffic_matches_plan
 
 CPU = dict(device="cpu")
@@ -137,6 +137,35 @@ def test_a_wrong_input_shape_writes_nothing_else_to_stderr():
                           text=True, timeout=300)
     assert "raised: BlockStack.forward(x=Tensor[2, 5] float32) failed" in done.stdout, done.stdout + done.stderr
     assert "fake_tensor" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("on", ["cpu", "sim"])
+def test_a_wrong_input_dtype_is_torchs_own_error_naming_the_call_and_the_model_runs_on(on, capsys):
+    """Fake tensors accept a float64 input meeting float32 weights, so the op fails while the graph runs: torch's
+    own error, as the plain model raises it, with a note naming the offloaded call and its inputs; nothing else on
+    stderr (a graph module's call prints an excerpt of its generated code there); nothing left on the device."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if on == "sim" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = Stack().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device))
+    with torch.no_grad():
+        assert torch.equal(m(x.to(device)).cpu(), expected)
+        capsys.readouterr()
+        with pytest.raises(RuntimeError, match="same dtype") as error:
+            m(x.double().to(device))
+    assert "in Stack.forward(x=Tensor[2, 8] float64), run offloaded; the model is unchanged" in error.value.__notes__
+    assert capsys.readouterr().err == ""
+    assert offload_stats(m).live_device_bytes == 0  # the failed call's fetched groups were given back
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(x.to(device)).cpu(), expected)
+    assert_traffic_matches_plan(m)
+    assert all(torch.equal(v.cpu(), snapshot[k]) for k, v in m.state_dict().items())
 
 
 class _CheckedPrefix(nn.Module):

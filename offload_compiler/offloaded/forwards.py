@@ -156,7 +156,11 @@ class _OffloadedForward:
         if refusal is not None and refusal is not failure:
             refusal.offload_trace = failure
             raise refusal from None
-        error = model_error(failure) if is_tracing_error(failure) else None
+        if not is_tracing_error(failure):  # raised while a graph ran: an op's own error (a dtype mix that fake
+            if not isinstance(failure, OffloadRefusal):  # tensors accepted), torch's text as the plain model's
+                failure.add_note(f"in {self._call_text(args, kwargs)}, run offloaded; the model is unchanged")
+            raise failure
+        error = model_error(failure)
         if error is None:
             raise failure
         if symbolic_sizes(str(error)):  # traced with symbolic sizes (s27): once more with these shapes, outside
@@ -169,12 +173,16 @@ class _OffloadedForward:
                     failure, error = again, static_error
         raise self._input_error(error, failure, args, kwargs) from None
 
+    def _call_text(self, args: tuple, kwargs: dict) -> str:
+        """The call as the user made it: ``Llama.model.layers.0.forward(hidden_states=Tensor[1, 5, 64] float32)``."""
+        path = self._state.path_of(self._module)
+        return f"{self._state.name}{'.' + path if path else ''}.{self._method}({describe_inputs(self.forward, args, kwargs)})"
+
     def _input_error(self, error: BaseException, exc: BaseException, args: tuple, kwargs: dict) -> BaseException:
         """The model's own error while tracing it (a wrong input shape), short: the module and method, the
         inputs it was given, what failed and where. Dynamo's full report is the error's ``offload_trace``."""
-        state, module = self._state, self._module
-        path = state.path_of(module)
-        call = f"{state.name}{'.' + path if path else ''}.{self._method}({describe_inputs(self.forward, args, kwargs)})"
+        module = self._module
+        call = self._call_text(args, kwargs)
         text = str(error).strip()
         what = text.splitlines()[0].rstrip(".") if text else type(error).__name__
         line = user_frame(exc)
