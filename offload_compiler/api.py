@@ -177,8 +177,9 @@ def release_device_copies(module: Any) -> int:
 def describe_plan(module: Any) -> str:
     state = _state(module)
     if state.awaits_plan:
-        return (f"offload plan for {state.name}: strategy='auto', not planned yet (it plans at its first call, or "
-                f"at m.plan(*inputs); a part called before that streams one block at a time)")
+        waiting = (f"offload plan for {state.name}: strategy='auto', not planned yet (it plans at its first call, "
+                   f"or at m.plan(*inputs); a part called before that streams one block at a time)")
+        return waiting if state.runtime is None else f"{waiting}; streaming now:\n{state.runtime.describe()}"
     saving = _saving_line(state.runtime)
     return state.runtime.describe() + (f"\n{saving}" if saving else "")
 
@@ -200,9 +201,10 @@ class OffloadGroup:
 def offload_groups(module: Any) -> list[OffloadGroup]:
     """The weight groups of an offloaded model or pipeline, in the runtime's order: name, bytes, streamed or
     resident (what `describe_plan` prints, as data). Before ``strategy="auto"`` has planned (at its first
-    call or ``m.plan(...)``) there are none."""
+    call or ``m.plan(...)``): the groups its parts stream meanwhile, one block each, once a part was called;
+    none before that."""
     runtime = _runtime(module)
-    if _state(module).awaits_plan:
+    if runtime is None:
         return []
     return [OffloadGroup(g.index, g.name, g.nbytes, g.streamed) for g in runtime.groups]
 

@@ -105,3 +105,12 @@ def test_offload_groups_and_plan_summary_report_the_groups_as_data():
     assert summary["graphs"][0]["fetches_per_call"] == stats.fetch_count
     auto = offload_compile(llama()[0], OffloadPolicy(strategy="auto", device_budget_gb=1, device="cpu"))
     assert offload_groups(auto) == [] and plan_summary(auto)["planned"] is False
+    with torch.no_grad():
+        auto.model.embed_tokens(inputs["input_ids"])  # a part before the plan: every block streams meanwhile
+    before = offload_groups(auto)
+    assert len(before) > 1 and all(g.streamed for g in before if g.nbytes)
+    assert sum(g.nbytes for g in before if g.streamed) == offload_stats(auto).streamed_bytes > 0
+    assert "not planned yet" in describe_plan(auto) and before[1].name in describe_plan(auto)
+    with torch.no_grad():
+        auto(**inputs)  # plans: the groups are the plan's
+    assert plan_summary(auto)["planned"] and offload_groups(auto)
