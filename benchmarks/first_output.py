@@ -9,8 +9,10 @@ clock starts. Then, per method:
                      compiler=<compiler>)) and its first call
 
 Models: ``sd3`` (the tiny SD3 transformer of `offload_compiler.testing.models`), ``llama8`` (a tiny 8-layer
-Llama) and ``llama1b`` (a TinyLlama-shaped 1.1B-parameter bf16 Llama with random weights: where packing
-shows). Processes are interleaved (round by round, model by model, method by method); medians over rounds.
+Llama), ``llama1b`` (a TinyLlama-shaped 1.1B-parameter bf16 Llama with random weights: where packing
+shows) and ``fluxpipe`` (the tiny Flux pipeline of `offload_compiler.testing.pipelines`: CLIP, T5, a Flux
+transformer and a VAE; its first image, 4 steps). For the pipeline, plain is the pipeline with each of its
+components compiled in place (``component.compile(backend=<compiler>)``), ours ``offload_compile(pipe, ...)``. Processes are interleaved (round by round, model by model, method by method); medians over rounds.
 The breakdown of ours comes from timers wrapped around the package's functions from here (the library has no
 timing code): packing (`runtime.host.pack_group`), our passes (`backend.rewrite_graph`, the eager lowering or
 inductor's compile of the rewritten graph) and dynamo's capture (from the call until our backend is entered).
@@ -37,10 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, exact_command, median, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("sd3", "llama8", "llama1b", "stack")  # stack: torch only, for the smoke test
+MODELS = ("sd3", "llama8", "llama1b", "fluxpipe", "stack")  # stack: torch only, for the smoke test
 QUICK_MODELS = ("sd3", "llama8")
 TARGET_RATIO = 1.5
-LIBRARIES = {"sd3": ("diffusers",), "llama8": ("transformers",), "llama1b": ("transformers",)}  # imported untimed
+LIBRARIES = {"sd3": ("diffusers",), "llama8": ("transformers",), "llama1b": ("transformers",),
+             "fluxpipe": ("diffusers", "transformers")}  # imported untimed
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)  # TinyLlama-1.1B's shape
 
@@ -97,6 +100,10 @@ def build(name: str):
         return model, {**kwargs, "use_cache": False}
     if name == "llama1b":
         return llama_1b()
+    if name == "fluxpipe":
+        from offload_compiler.testing.pipelines import flux_pipeline
+        pipe, kwargs = flux_pipeline()
+        return pipe, {**kwargs, "num_inference_steps": 4}
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 
@@ -174,6 +181,22 @@ def _dynamo_stats() -> dict:
     return {"frames_compiled": stats["unique_graphs"], "calls_captured": stats["calls_captured"]}
 
 
+def _components(model) -> list:
+    """The modules of ``model``: itself, or a pipeline's components holding weights."""
+    import torch
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    return [c for c in vars(model).values() if isinstance(c, torch.nn.Module) and next(c.parameters(), None) is not None]
+
+
+def _fresh(kwargs: dict) -> dict:
+    """A call's arguments, a pipeline's generator seeded again (both calls make the same image)."""
+    import torch
+    if "generator" not in kwargs:
+        return kwargs
+    return {**kwargs, "generator": torch.Generator().manual_seed(0)}
+
+
 def _rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -186,7 +209,8 @@ def worker(model_name: str, method: str) -> dict:
     kind, compiler = method.split("-", 1)
     _warm_dynamo(compiler)
     model, kwargs = build(model_name)
-    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    components = _components(model)
+    model_bytes = sum(t.numel() * t.element_size() for c in components for t in [*c.parameters(), *c.buffers()])
     timers = Timers()
     if kind == "ours":
         instrument_ours(timers)
@@ -195,13 +219,17 @@ def worker(model_name: str, method: str) -> dict:
         start = time.perf_counter()
         if kind == "ours":
             run = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", compiler=compiler))
-        else:
+        elif components == [model]:
             run = torch.compile(model, backend=plain_backend(compiler, timers))
+        else:  # a pipeline: its components compiled in place, as a compile user of the pipeline does
+            for component in components:
+                component.compile(backend=plain_backend(compiler, timers))
+            run = model
         built = time.perf_counter()
-        out = run(**kwargs)
+        out = run(**_fresh(kwargs))
         first = time.perf_counter()
         graphs = _dynamo_stats()
-        run(**kwargs)
+        run(**_fresh(kwargs))
         second = time.perf_counter() - first
     del out
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -313,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         print(json.dumps(worker(*args.worker)))
         return {}
-    models = args.models or (QUICK_MODELS if args.quick else MODELS[:3])
+    models = args.models or (QUICK_MODELS if args.quick else MODELS[:4])
     methods = [f"{kind}-{c}" for c in args.compilers for kind in ("plain", "ours")]
     samples = [run_fresh(model, method, args.timeout)
                for _ in range(args.rounds) for model in models for method in methods]
