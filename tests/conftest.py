@@ -32,6 +32,13 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 
 torch.set_num_threads(1)
 
+# The simulated accelerator is installed before any test runs a backward: autograd's engine sizes its per-device
+# queues once, at the process's first backward, from the devices registered then (a real accelerator's backend
+# registers at import, as this does here).
+from offload_compiler.testing import simulated_device  # noqa: E402
+
+simulated_device()
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

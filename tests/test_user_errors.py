@@ -81,6 +81,31 @@ def test_backward_through_an_offloaded_model_says_inference_only_and_names_the_f
     assert probe.grad is None
 
 
+def test_backward_on_a_device_that_is_not_the_host_is_refused_by_name():
+    """On the simulated accelerator the backward reaches our refusal, as on the CPU: nothing of the device's own
+    autograd set-up fails first, no gradient is written, and the model runs on."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device()
+    torch.manual_seed(0)
+    model = Stack().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device))
+    probe = x.to(device).requires_grad_()
+    y = m(probe)
+    assert y.requires_grad and torch.equal(y.detach().cpu(), expected)
+    with pytest.raises(OffloadRefusal, match=r"runs inference only.*remove_offload\(m\)"):
+        y.sum().backward()
+    assert probe.grad is None and all(p.grad is None for p in m.parameters())
+    reset_offload_stats(m)
+    with torch.no_grad():
+        assert torch.equal(m(x.to(device)).cpu(), expected)
+    assert_traffic_matches_plan(m)
+    assert all(torch.equal(v.cpu(), snapshot[k]) for k, v in m.state_dict().items())
+
+
 def test_parts_chain_with_grad_mode_on_as_the_plain_modules_do():
     """One part's output (it requires grad, as the plain block's would) is the next part's input: it runs, and
     only a backward is refused. Before, the second call refused the first one's output as an input."""

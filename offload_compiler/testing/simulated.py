@@ -576,8 +576,7 @@ def _histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0
 
 def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """An out-of-tree device's convolutions reach ``convolution_overrideable``, which has no CPU kernel: the
-    device's kernel is torch's convolution on the CPU views. (No backward: autograd on an out-of-tree device needs
-    hooks registered in C++, and offloading is for inference.)"""
+    device's kernel is torch's convolution on the CPU views."""
     return torch.ops.aten.convolution.default(input, weight, bias, stride, padding, dilation, transposed,
                                               output_padding, groups)
 
@@ -798,11 +797,28 @@ class _DeviceGuard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
+class _Hooks(getattr(torch._C._acc, "PrivateUse1Hooks", object)):
+    """What autograd's engine asks an out-of-tree device before running a backward on it (without them every
+    backward on the device fails with torch's "register PrivateUse1HooksInterface first", before any of the
+    model's or our own backward code runs)."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return True
+
+
 def simulated_device() -> str:
     """Install the simulated accelerator (once per process) and return its device string, ``"sim:0"``.
 
     It takes torch's PrivateUse1 backend for the rest of the process: a process that already renamed it for
-    a real out-of-tree device (an Ascend NPU, say) cannot have both."""
+    a real out-of-tree device (an Ascend NPU, say) cannot have both. Install it before the process runs its first
+    backward (on any device) if a backward will reach the simulated device: autograd's engine sizes its device
+    queues once, at that first backward, from the devices registered then."""
     global _installed, _CHECKER, _LIBRARY, _ATEN
     with _INSTALL_LOCK:
         if _installed is None:
@@ -820,6 +836,8 @@ def simulated_device() -> str:
                 _register_direct(_ATEN)
                 # ops with a device guard need one for the key (one device: it has nothing to switch)
                 torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
+                if hasattr(torch._C._acc, "register_python_privateuseone_hook"):  # torch 2.13+
+                    torch._C._acc.register_python_privateuseone_hook(_Hooks())
             _CHECKER = _Checker()
             _installed = f"{NAME}:0"
     return _installed
