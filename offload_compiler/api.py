@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from ._torch_private import compiled_module_of
+from .components import with_component
 from .checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_layout
 from .errors import OffloadSavingWarning
 from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warning
@@ -19,7 +20,7 @@ from .planning import auto
 from .planning.auto import OffloadPlan
 from .offloaded import (OffloadState, OffloadedModule, add_method, install_output_capture, offload_module,
                         offload_pipeline, PipelineModules, refuse_other_offloaders, state_of)
-from .policy import OffloadPolicy, warn_user
+from .policy import OffloadPolicy, spelled, warn_user
 from .runtime import OffloadRuntime, OffloadStats
 from .storage import FilledBuckets
 
@@ -34,8 +35,9 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
 
     ``model`` is an nn.Module — returned, now an `OffloadedModule` — or a pipeline object whose components
     are nn.Module attributes (a diffusers pipeline; returned, its components offloaded). On a pipeline,
-    ``layerwise``/``budget``/``auto`` stream its encoders and denoisers block by block and keep the other
-    components (the VAE) on the device; the component strategies alternate its denoisers and encoders.
+    ``layerwise``/``budget``/``auto`` stream the components ``policy.components`` names (None: its encoders
+    and denoisers) block by block and keep the other components (the VAE unless named) on the device; the
+    component strategies alternate its denoisers and encoders.
 
     ``checkpoint``: a safetensors file or directory (sharded, with its index; for a pipeline, a pipeline folder
     with a subfolder per component) read straight into the offloaded layout, for a model whose weights are on
@@ -48,12 +50,11 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
         raise TypeError(f"policy must be an OffloadPolicy; got {type(policy).__name__}")
     state = state_of(model)
     if state is not None:
-        raise ValueError(f"{state.name} is already offloaded (strategy={state.policy.strategy!r}); to change its "
-                         f"policy, offload the original again: offload_compile(remove_offload(m), policy)")
+        raise ValueError(_already_offloaded(model, state))
     if not isinstance(model, nn.Module) and policy.strategy == "none":
         raise TypeError(f"strategy='none' keeps every weight on the device: for a pipeline object "
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
-    refuse_other_offloaders(model)
+    refuse_other_offloaders(model, policy)
     filled = _load(model, policy, checkpoint) if checkpoint is not None else {}
     if not isinstance(model, nn.Module):
         offload_pipeline(model, policy, filled)
@@ -61,6 +62,32 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     offload_module(model, policy, filled)
     _check_saving(model, policy)
     return model
+
+
+def _already_offloaded(model: Any, state: OffloadState) -> str:
+    """Why ``model`` cannot be offloaded: it is offloaded already, itself or as a component of an offloaded
+    pipeline (kept on the device, or streamed with it), and the call that changes that."""
+    policy = state.policy
+    if state.owner is model or isinstance(state.owner, nn.Module):  # itself (or a torch.compile wrapper of it)
+        return (f"{state.name} is already offloaded (strategy={policy.strategy!r}); to change its policy, offload "
+                f"the original again: offload_compile(remove_offload(m), policy)")
+    name = state.path_of(model)
+    streamed = _offloaded_components(state)
+    if name in streamed:
+        return (f"{name} is a component of the offloaded {state.name}, which streams it (strategy="
+                f"{policy.strategy!r}): a model is offloaded once, as a whole. To change its policy, offload the "
+                f"pipeline again: offload_compile(remove_offload(pipe), policy); nothing was changed")
+    strategy = "alternating" if policy.strategy == "model" else policy.strategy  # ``model`` takes no components
+    fix = spelled(policy, strategy=strategy, components=with_component(streamed, name))
+    return (f"{name} is a component of the offloaded {state.name}, kept on the device (strategy={policy.strategy!r} "
+            f"offloads {streamed}): a model is offloaded once, as a whole. To stream {name} too, offload the "
+            f"pipeline again with it among its components: offload_compile(remove_offload(pipe), {fix}); "
+            f"nothing was changed")
+
+
+def _offloaded_components(state: OffloadState) -> list[str]:
+    """The components of an offloaded pipeline that hold groups, in the order of their groups."""
+    return list(dict.fromkeys(g.name.split(".", 1)[0] for g in state.runtime.groups)) if state.runtime else []
 
 
 def _load(model: Any, policy: OffloadPolicy, path: str | os.PathLike) -> FilledBuckets:

@@ -108,14 +108,41 @@ def component_of(name: str, components: list[str]) -> str | None:
     return best
 
 
-def pipeline_streamed(model: nn.Module, name: str) -> list[str]:
-    """The components of a pipeline (the children of ``model``) streamed under the block strategies
-    (layerwise, budget, auto): its encoders, then its denoisers. Every other component (the VAE, a safety
-    checker) stays on the compute device. None found: an error listing the components."""
-    children = [name for name, module in model.named_children() if _holds_weights(module)]
-    streamed = [n for n in children if n in ENCODER_MODULES] + [n for n in children if n in DIT_MODULES]
+def pipeline_components(model: nn.Module) -> list[str]:
+    """The components of a pipeline (``model``: its `PipelineModules`): its children that hold weights."""
+    return [name for name, module in model.named_children() if _holds_weights(module)]
+
+
+def default_streamed(children: Iterable[str]) -> list[str]:
+    """What the block strategies stream of a pipeline whose ``components`` are not named: its encoders, then its
+    denoisers."""
+    children = list(children)
+    return [n for n in children if n in ENCODER_MODULES] + [n for n in children if n in DIT_MODULES]
+
+
+def pipeline_streamed(model: nn.Module, name: str, chosen: Iterable[str] | None = None) -> list[str]:
+    """The components of a pipeline (the children of ``model``) streamed under the block strategies (layerwise,
+    budget, auto): those ``chosen`` (``OffloadPolicy.components``), in that order, else its encoders, then its
+    denoisers. Every other component (the VAE unless chosen, a safety checker) stays on the compute device. A
+    chosen name that is no component holding weights, or none found: an error listing the components."""
+    children = pipeline_components(model)
+    if chosen is not None:
+        unknown = [c for c in chosen if c not in children]
+        if unknown:
+            raise ValueError(f"components={list(chosen)!r}: {unknown} {'is' if len(unknown) == 1 else 'are'} no "
+                             f"component of {name}{_did_you_mean(unknown[0], children)}; on a pipeline, components= "
+                             f"names its components holding weights: {children}")
+        return list(dict.fromkeys(chosen))
+    streamed = default_streamed(children)
     if not streamed:
         raise ValueError(f"{name} has none of the denoisers {list(DIT_MODULES)} or encoders "
                          f"{list(ENCODER_MODULES)} that the block strategies stream; its components are {children}. "
-                         f"Offload a component on its own: offload_compile(pipe.<component>, policy)")
+                         f"Name those to stream, OffloadPolicy(strategy='layerwise', components={children!r}), or "
+                         f"offload a component on its own: offload_compile(pipe.<component>, policy)")
     return streamed
+
+
+def with_component(streamed: Iterable[str], name: str) -> list[str]:
+    """``streamed`` with component ``name`` added last (once)."""
+    streamed = list(streamed)
+    return streamed if name in streamed else streamed + [name]

@@ -412,6 +412,7 @@ def _plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] 
     component_plan = _component_groups(model, policy, weights)
     if component_plan is not None:
         return component_plan
+    refuse_components_of_a_model(model, policy)
     if policy.strategy == "sequential":
         groups = _by_key(weights, lambda w: _owner(w.name), is_block=False)
         return [dataclasses.replace(g, streamed=True) for g in groups]
@@ -669,6 +670,22 @@ def _component_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Wei
     return [GroupSpec(path, tuple(ws), True, False, exclusive) for path, ws in keyed.items() if ws]
 
 
+STREAMING_BLOCKS = ("layerwise", "budget", "auto")  # the strategies that stream blocks (auto once planned)
+
+
+def refuse_components_of_a_model(model: nn.Module, policy: OffloadPolicy) -> None:
+    """``components=`` under a block strategy names the components of a pipeline object that stream; an
+    nn.Module streams the blocks of the whole model. Refused with the ways to stream part of a model."""
+    if policy.components is None or policy.strategy not in STREAMING_BLOCKS:
+        return
+    raise ValueError(
+        f"components={list(policy.components)!r} with strategy={policy.strategy!r} names the components of a "
+        f"pipeline object to stream block by block; {type(model).__name__} is a model, whose blocks all stream. "
+        f"To stream only some of its parts: strategy='sequential' with components=[...] (each part a group), "
+        f"strategy='budget' with offload_gb (the rest stays resident), or blocks_attr='path.to.blocks' to name "
+        f"its blocks; or offload the part on its own: offload_compile(model.<part>, policy) without components")
+
+
 def component_block_groups(model: nn.Module, paths: list[str], policy: OffloadPolicy,
                            planned: dict[str, list[GroupSpec]] | None = None) -> list[GroupSpec]:
     """Groups of a pipeline under the block strategies: each component of ``paths`` grouped block by block
@@ -680,7 +697,7 @@ def component_block_groups(model: nn.Module, paths: list[str], policy: OffloadPo
     seen: set[int] = set()
     for path in paths:
         component = model.get_submodule(path)
-        own = policy.replace(strategy="layerwise", offload_gb=None, device_budget_gb=None,
+        own = policy.replace(strategy="layerwise", offload_gb=None, device_budget_gb=None, components=None,
                              blocks_attr=blocks_attr_within(policy.blocks_attr, path))
         specs = (planned or {}).get(path) or (plan_groups(component, own) if block_paths(component, own)
                                               else _whole(component, own))

@@ -19,6 +19,9 @@ log = logging.getLogger("offload_compiler")
 IMPLEMENTED_STRATEGIES = ("none", "sequential", "layerwise", "budget", "alternating", "model")
 PLANNER_STRATEGIES = ("auto",)  # chosen by offload_compiler.planning.planner, not by a fixed rule
 COMPONENT_STRATEGIES = ("alternating", "model")
+# the strategies that take components=: the parts that are offloaded (for the block strategies, the components of
+# a pipeline streamed block by block); weights outside them stay on the compute device
+COMPONENTS_TAKEN_BY = ("alternating", "sequential", "layerwise", "budget", "auto")
 COMPILERS = ("eager", "inductor")
 GIB = 1 << 30
 KNOWN = IMPLEMENTED_STRATEGIES + PLANNER_STRATEGIES
@@ -98,10 +101,14 @@ class OffloadPolicy:
                        whole, with one warning.
     debug_poison:      fill every evicted device copy with NaN (or the dtype's max) so that a read after
                        eviction shows in the output instead of silently reading stale memory.
-    components:        component names, dotted paths or globs (``thinker``, ``thinker.visual``, ``visual.*``)
-                       for ``alternating`` and ``sequential``; None means every component discovered
-                       (``thinker``, ``talker``, ``code2wav``, ``token2wav``, ``visual``, ``audio_tower``,
-                       ``language_model``). Weights outside the components stay resident.
+    components:        the parts that are offloaded; weights outside them stay resident on the device.
+                       ``alternating`` and ``sequential``: component names, dotted paths or globs (``thinker``,
+                       ``thinker.visual``, ``visual.*``); None means every component discovered (``thinker``,
+                       ``talker``, ``code2wav``, ``token2wav``, ``visual``, ``audio_tower``, ``language_model``).
+                       ``layerwise``, ``budget``, ``auto`` on a pipeline object: the names of its components
+                       streamed block by block (``["text_encoder", "transformer", "vae"]``); None means its
+                       encoders, then its denoisers. On an nn.Module these refuse it (they stream the blocks of
+                       the whole model; ``blocks_attr`` names the blocks).
     keep_after_use:    ``alternating``/``model``: a component stays on the device after its forward until
                        another component needs the room (latency-minimising, the default); False evicts it
                        after use (memory-saving).
@@ -173,8 +180,10 @@ class OffloadPolicy:
                 raise ValueError(f"components must be a list of component names or None (all discovered); "
                                  f"got {self.components!r}")
             names = tuple(n.strip() for n in names)
-            if strategy not in ("alternating", "sequential"):
-                raise ValueError(f"components apply to strategy 'alternating' or 'sequential', not {strategy!r}")
+            if strategy not in COMPONENTS_TAKEN_BY:
+                raise ValueError(f"components apply to strategies {COMPONENTS_TAKEN_BY}, not {strategy!r}"
+                                 + (": 'model' finds a pipeline's denoisers and encoders itself; to choose them, "
+                                    "use strategy='alternating' with components" if strategy == "model" else ""))
             set_("components", names)
         for name in ("pin_memory", "offload_buffers", "fullgraph", "regional", "debug_poison", "keep_after_use",
                      "prefetch_next_call"):
@@ -278,6 +287,20 @@ class OffloadPolicy:
         if unknown:
             raise ValueError(f"unknown omni_offload option(s) {unknown}; valid options are {sorted(fields)} or 'policy'")
         return cls(**options)
+
+
+def spelled(policy: OffloadPolicy, **changes: Any) -> str:
+    """``policy`` with ``changes`` as the call that makes it, for an error's fix: ``OffloadPolicy(strategy=
+    'layerwise', components=['text_encoder', 'vae'])``, the fields that differ from their defaults (``device``
+    too, where it is not the default one)."""
+    policy = policy.replace(**changes)
+    shown = []
+    for field in dataclasses.fields(OffloadPolicy):
+        value = getattr(policy, field.name)
+        default = default_device() if field.name == "device" else field.default
+        if value != default or field.name == "strategy":
+            shown.append(f"{field.name}={list(value) if isinstance(value, tuple) else value!r}")
+    return f"OffloadPolicy({', '.join(shown)})"
 
 
 def _refuse_unknown_fields(cls: type, fields: Mapping[str, Any]) -> None:

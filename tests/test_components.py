@@ -216,3 +216,20 @@ def test_a_misspelt_component_gets_the_closest_name():
     model.head = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="unknown component 'blokcs'.*did you mean 'blocks'"):
         resolve(model, ["blokcs"])
+
+
+@pytest.mark.parametrize("strategy,fields", [("layerwise", {}), ("budget", {"offload_gb": 1e-4}),
+                                             ("auto", {"device_budget_gb": 1e-3})])
+def test_components_with_a_block_strategy_on_a_model_are_refused_naming_the_ways_and_touch_nothing(strategy, fields):
+    """On an nn.Module a block strategy streams the blocks of the whole model: components= (which names a
+    pipeline's streamed components) is refused before anything changes, naming what streams part of a model;
+    ``auto``, which groups at its first call, is refused at offload_compile too."""
+    model, args = omni()
+    expected = model(*args).detach()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"components=\['thinker'\] with strategy=.*Omni is a model.*"
+                                         r"strategy='sequential' with components.*offload_gb.*blocks_attr"):
+        offload_compile(model, OffloadPolicy(strategy=strategy, components=["thinker"], **fields, **CPU))
+    assert type(model) is Omni and "_offload_state" not in model.__dict__
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model(*args), expected)

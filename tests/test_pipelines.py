@@ -1,7 +1,7 @@
 """Real diffusers pipelines (tiny, random weights, word-level tokenizers) offloaded in one line under the block
-strategies: the encoders and denoisers stream block by block, the VAE lives on the device, and every method a
-pipeline calls either runs the offloaded graphs or refuses. Outputs equal the plain pipeline's bit for bit, and
-the bytes and fetches equal the verified plans'."""
+strategies: the encoders and denoisers stream block by block, the VAE lives on the device unless
+``components=`` names it, and every method a pipeline calls either runs the offloaded graphs or refuses.
+Outputs equal the plain pipeline's bit for bit, and the bytes and fetches equal the verified plans'."""
 
 import copy
 import re
@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from offload_compiler import (OffloadPolicy, offload_compile, offload_plan, offload_stats, remove_offload,
-                              reset_offload_stats)
+from offload_compiler import (OffloadPolicy, describe_plan, offload_compile, offload_plan, offload_stats,
+                              remove_offload, reset_offload_stats)
 from offload_compiler.components import DIT_MODULES, ENCODER_MODULES
 from offload_compiler.testing import assert_traffic_matches_plan
 from offload_compiler.testing.models import vae_roundtrip
@@ -151,3 +151,111 @@ def test_a_pipeline_without_denoiser_or_encoder_names_its_components():
     with pytest.raises(TypeError, match="strategy='none'.*pipe.to"):
         offload_compile(Pipe(), OffloadPolicy(strategy="none", **CPU))
 
+
+
+SD3_WITH_VAE = ["text_encoder", "text_encoder_2", "transformer", "vae"]
+
+
+def _weights(pipe):
+    """Every component's weights, cloned (an offloaded component's host masters read as its weights)."""
+    return {f"{name}.{key}": value.detach().clone() for name in SD3_WITH_VAE
+            for key, value in getattr(pipe, name).state_dict().items()}
+
+
+def _unchanged(pipe, before):
+    return _weights(pipe).keys() == before.keys() and all(
+        torch.equal(value, before[key]) for key, value in _weights(pipe).items())
+
+
+def _vae_decoder_bytes(groups):
+    return sum(g.nbytes for name, g in groups.items() if name.startswith(("vae.decoder.", "vae.post_quant_conv")))
+
+
+@pytest.mark.slow  # a whole pipeline captured
+def test_components_naming_the_vae_stream_it_block_by_block_and_its_decode_by_hand_streams():
+    """``components=[..., "vae"]`` under layerwise: the VAE is grouped block by block like the encoders and the
+    denoiser, nothing is kept on the device, the images equal the plain pipeline's, the traffic is the verified
+    plan's (the VAE's decode included), and ``pipe.vae.decode`` called by hand fetches the decoder's groups."""
+    pipe, kwargs, expected = _plain("sd3")
+    plain_vae = copy.deepcopy(pipe.vae)
+    vae_bytes = _bytes(pipe.vae)
+    offload_compile(pipe, OffloadPolicy(strategy="layerwise", components=SD3_WITH_VAE, **CPU))
+    groups = _groups(pipe)
+    vae_groups = [g for name, g in groups.items() if name.startswith("vae.")]
+    assert {name.split(".", 1)[0] for name in groups} == set(SD3_WITH_VAE)
+    assert sum(g.nbytes for g in vae_groups) == vae_bytes and all(g.streamed for g in vae_groups)
+    assert "vae.decoder.up_blocks.0" in groups and "vae.decoder.up_blocks.0" in describe_plan(pipe)
+    assert torch.equal(_run(pipe, kwargs), expected)
+    stats = assert_traffic_matches_plan(pipe)
+    assert stats.unmanaged_bytes == 0 and "kept on the device" not in str(offload_stats(pipe))
+    others = max(g.nbytes for name, g in groups.items() if not name.startswith("vae."))
+    assert stats.peak_device_weight_bytes < vae_bytes + others  # below any peak with the VAE kept on the device
+    latents = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        want = plain_vae.decode(latents).sample
+    reset_offload_stats(pipe)
+    with torch.no_grad():
+        assert torch.equal(pipe.vae.decode(latents).sample, want)
+    stats = assert_traffic_matches_plan(pipe)
+    assert stats.bytes_transferred == _vae_decoder_bytes(groups) > 0 and stats.peak_device_weight_bytes < vae_bytes
+
+
+def test_a_component_name_that_is_not_one_lists_the_pipelines_components_and_touches_nothing():
+    pipe, _ = PIPELINES["sd3"]()
+    classes = {name: type(getattr(pipe, name)) for name in SD3_WITH_VAE}
+    before = _weights(pipe)
+    with pytest.raises(ValueError, match=r"\['vea'\] is no component of StableDiffusion3Pipeline \(did you mean "
+                                         r"'vae'\?\).*holding weights: "
+                                         r"\['vae', 'text_encoder', 'text_encoder_2', 'transformer'\]"):
+        offload_compile(pipe, OffloadPolicy(strategy="layerwise", components=["transformer", "vea"], **CPU))
+    assert "_offload_state" not in pipe.__dict__ and _unchanged(pipe, before)
+    assert all(type(getattr(pipe, name)) is cls for name, cls in classes.items())
+
+
+@pytest.mark.slow  # a whole pipeline captured
+def test_a_vae_offloaded_on_its_own_refuses_its_pipeline_naming_the_components_that_stream_it():
+    """VAE first, then the pipeline: refused, naming the fix that streams the VAE with the pipeline (give it back,
+    offload the pipeline with ``components=[..., 'vae']``). The pipeline still runs, its weights bit for bit
+    unchanged, and the fix named works."""
+    pipe, kwargs, expected = _plain("sd3")
+    before = _weights(pipe)
+    policy = OffloadPolicy(strategy="layerwise", **CPU)
+    offload_compile(pipe.vae, policy)
+    fix = (r"remove_offload\(pipe\.vae\); offload_compile\(pipe, OffloadPolicy\(strategy='layerwise', .*"
+           r"components=\['text_encoder', 'text_encoder_2', 'transformer', 'vae'\]\)\)")
+    with pytest.raises(ValueError, match="vae belongs to AutoencoderKL, which is offloaded already, on its "
+                                         "own.*" + fix):
+        offload_compile(pipe, policy)
+    assert "_offload_state" not in pipe.__dict__ and "_offload_state" not in pipe.transformer.__dict__
+    assert torch.equal(_run(pipe, kwargs), expected) and _unchanged(pipe, before)
+    remove_offload(pipe.vae)
+    offload_compile(pipe, policy.replace(components=SD3_WITH_VAE))
+    assert any(name.startswith("vae.") for name in _groups(pipe))
+    assert torch.equal(_run(pipe, kwargs), expected)
+    assert assert_traffic_matches_plan(pipe).unmanaged_bytes == 0
+
+
+@pytest.mark.slow  # a whole pipeline captured
+def test_a_component_of_an_offloaded_pipeline_is_refused_naming_the_pipeline_policy_that_streams_it():
+    """Pipeline first, then its VAE: refused, saying the VAE is a component of the offloaded pipeline kept on the
+    device and naming the policy that streams it too; a streamed component is refused as the pipeline's. The
+    pipeline still runs as offloaded, weights bit for bit unchanged, and the fix named works."""
+    pipe, kwargs, expected = _plain("sd3")
+    before = _weights(pipe)
+    policy = OffloadPolicy(strategy="layerwise", **CPU)
+    offload_compile(pipe, policy)
+    state = pipe._offload_state
+    with pytest.raises(ValueError, match=r"vae is a component of the offloaded StableDiffusion3Pipeline, kept on the "
+                                         r"device.*offload_compile\(remove_offload\(pipe\), OffloadPolicy\(strategy="
+                                         r"'layerwise', .*components=\['text_encoder', 'text_encoder_2', "
+                                         r"'transformer', 'vae'\]\)\)"):
+        offload_compile(pipe.vae, policy)
+    with pytest.raises(ValueError, match=r"transformer is a component of the offloaded StableDiffusion3Pipeline, "
+                                         r"which streams it.*offload_compile\(remove_offload\(pipe\), policy\)"):
+        offload_compile(pipe.transformer, policy)
+    assert pipe._offload_state is state and pipe.vae.__dict__["_offload_state"] is state
+    assert torch.equal(_run(pipe, kwargs), expected) and _unchanged(pipe, before)
+    assert assert_traffic_matches_plan(pipe).unmanaged_bytes == _bytes(pipe.vae)
+    offload_compile(remove_offload(pipe), policy.replace(components=SD3_WITH_VAE))
+    assert torch.equal(_run(pipe, kwargs), expected)
+    assert assert_traffic_matches_plan(pipe).unmanaged_bytes == 0

@@ -108,3 +108,31 @@ def test_every_field_still_passes_as_a_keyword():
     policy = OffloadPolicy(strategy="sequential", device="cpu", prefetch=2)
     fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
     assert OffloadPolicy(**fields) == policy == dataclasses.replace(policy)
+
+
+@pytest.mark.parametrize("strategy,fields", [("layerwise", {}), ("budget", {"offload_gb": 1}),
+                                             ("auto", {"device_budget_gb": 1})])
+def test_components_are_taken_by_the_block_strategies(strategy, fields):
+    """On a pipeline they name the components streamed block by block (the VAE among them if named)."""
+    policy = OffloadPolicy(strategy=strategy, components=["text_encoder", " vae "], device="cpu", **fields)
+    assert policy.components == ("text_encoder", "vae")
+
+
+def test_components_with_strategy_model_name_alternating():
+    with pytest.raises(ValueError, match=r"not 'model'.*finds a pipeline's denoisers and encoders itself.*"
+                                         r"strategy='alternating' with components"):
+        OffloadPolicy(strategy="model", components=["vae"], device="cpu")
+
+
+def test_engine_args_with_layerwise_pass_the_components_field_through():
+    """``components`` is a policy field: it passes through the seed args as any other field does, and layerwise
+    takes it; ``cpu_offload_components`` stays the component offload's (ignored under layerwise, with a
+    warning)."""
+    from offload_compiler.policy import policy_from_engine_args
+    policy = policy_from_engine_args({"enable_layerwise_offload": True, "components": ["transformer", "vae"],
+                                      "device": "cpu"})
+    assert policy.strategy == "layerwise" and policy.components == ("transformer", "vae")
+    with pytest.warns(UserWarning, match="cpu_offload_components is ignored: enable_layerwise_offload wins"):
+        policy = policy_from_engine_args({"enable_layerwise_offload": True, "cpu_offload_components": "vae",
+                                          "device": "cpu"})
+    assert policy.components is None

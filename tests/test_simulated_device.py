@@ -1035,3 +1035,96 @@ def test_a_pipelines_verified_weight_peak_is_the_peak_its_ledger_measures(strate
         pipe(**kwargs)
     planned = plan_summary(pipe)["saving"]["device_weight_peak_bytes"]
     assert planned == offload_stats(pipe).peak_device_weight_bytes > 0
+
+
+SD3_WITH_VAE = ["text_encoder", "text_encoder_2", "transformer", "vae"]
+
+
+def _sd3_weights(pipe):
+    """Every component's weights as host tensors (an offloaded component's host masters read as its weights)."""
+    return {f"{name}.{key}": value.detach().to("cpu", copy=True) for name in SD3_WITH_VAE
+            for key, value in getattr(pipe, name).state_dict().items()}
+
+
+def _same_weights(pipe, before):
+    now = _sd3_weights(pipe)
+    return now.keys() == before.keys() and all(torch.equal(value, before[key]) for key, value in now.items())
+
+
+def _sd3_images(pipe, kwargs):
+    with torch.no_grad():
+        return pipe(**{**kwargs, "generator": torch.Generator().manual_seed(0)}).images
+
+
+@pytest.mark.slow
+def test_a_pipeline_streams_the_vae_its_components_name_on_the_device():
+    """``components=[..., "vae"]`` under layerwise, on a device where a host read is an error at the op: the VAE
+    streams block by block in the pipeline's decode and in ``pipe.vae.decode`` called by hand, the images equal
+    the CPU pipeline's, the traffic is the plan's, and the device weight peak (plan and ledger alike) is below
+    the default's, which keeps the VAE on the device."""
+    from offload_compiler import plan_summary
+    from offload_compiler.testing.pipelines import sd3_pipeline
+    pipe, kwargs = sd3_pipeline()
+    plain_vae = copy.deepcopy(pipe.vae)
+    expected = _sd3_images(pipe, kwargs)
+    peaks = {}
+    for components in (None, SD3_WITH_VAE):
+        pipe, _ = sd3_pipeline()
+        offload_compile(pipe, _policy(components=components))
+        torch.testing.assert_close(_sd3_images(pipe, kwargs).cpu(), expected, rtol=0, atol=1e-5)
+        stats = assert_traffic_matches_plan(pipe)
+        assert stats.on_demand_bytes == 0
+        peaks[components is None] = stats.peak_device_weight_bytes
+        assert plan_summary(pipe)["saving"]["device_weight_peak_bytes"] == stats.peak_device_weight_bytes
+    groups = {g.name: g for g in pipe._offload_state.runtime.groups}
+    assert any(name.startswith("vae.decoder.") for name in groups) and stats.unmanaged_bytes == 0
+    assert peaks[False] < peaks[True]  # the VAE streamed: below the peak with it kept on the device
+    latents = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        want = plain_vae.decode(latents).sample
+    reset_offload_stats(pipe)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.vae.decode(latents.to(DEVICE)).sample.cpu(), want, rtol=0, atol=1e-5)
+    stats = assert_traffic_matches_plan(pipe)
+    decoder = sum(g.nbytes for name, g in groups.items() if name.startswith(("vae.decoder.", "vae.post_quant_conv")))
+    assert stats.bytes_transferred == decoder > 0 and stats.on_demand_bytes == 0
+
+
+@pytest.mark.slow
+def test_offloading_a_vae_and_its_pipeline_in_either_order_is_refused_naming_the_fix_that_works():
+    """VAE first, then the pipeline; pipeline first, then its VAE: each refused naming the policy that streams the
+    VAE with the pipeline (``components=[..., 'vae']``), nothing changed (the offloaded VAE still decodes on the
+    device, the offloaded pipeline still runs, every weight bit for bit as before), and that fix works."""
+    from offload_compiler.testing.pipelines import sd3_pipeline
+    pipe, kwargs = sd3_pipeline()
+    plain_vae = copy.deepcopy(pipe.vae)
+    expected = _sd3_images(pipe, kwargs)
+    latents = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        decoded = plain_vae.decode(latents).sample
+    before = _sd3_weights(pipe)
+    policy = _policy()
+    components = r"components=\['text_encoder', 'text_encoder_2', 'transformer', 'vae'\]\)"
+    offload_compile(pipe.vae, policy)
+    with pytest.raises(ValueError, match=r"remove_offload\(pipe\.vae\); offload_compile\(pipe, OffloadPolicy\("
+                                         r"strategy='layerwise', .*" + components):
+        offload_compile(pipe, policy)
+    assert "_offload_state" not in pipe.__dict__ and _same_weights(pipe, before)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.vae.decode(latents.to(DEVICE)).sample.cpu(), decoded, rtol=0, atol=1e-5)
+    remove_offload(pipe.vae)
+    offload_compile(pipe, policy.replace(components=SD3_WITH_VAE))  # the fix named
+    torch.testing.assert_close(_sd3_images(pipe, kwargs).cpu(), expected, rtol=0, atol=1e-5)
+    assert assert_traffic_matches_plan(pipe).unmanaged_bytes == 0
+
+    pipe, _ = sd3_pipeline()
+    offload_compile(pipe, policy)
+    with pytest.raises(ValueError, match=r"vae is a component of the offloaded StableDiffusion3Pipeline, kept on the "
+                                         r"device.*offload_compile\(remove_offload\(pipe\), OffloadPolicy\(strategy="
+                                         r"'layerwise', .*" + components):
+        offload_compile(pipe.vae, policy)
+    torch.testing.assert_close(_sd3_images(pipe, kwargs).cpu(), expected, rtol=0, atol=1e-5)
+    assert _same_weights(pipe, before) and offload_stats(pipe).on_demand_bytes == 0
+    offload_compile(remove_offload(pipe), policy.replace(components=SD3_WITH_VAE))  # the fix named
+    torch.testing.assert_close(_sd3_images(pipe, kwargs).cpu(), expected, rtol=0, atol=1e-5)
+    assert assert_traffic_matches_plan(pipe).unmanaged_bytes == 0

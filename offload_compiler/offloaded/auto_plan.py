@@ -36,25 +36,26 @@ def plan_component(state: OffloadState, path: str, args: tuple, kwargs: dict) ->
             plan = plan_offload(module, policy, *args, **kwargs)
     except InfeasibleBudgetError as error:
         error.add_note(f"(the budget above is {path}'s share of {state.name}'s device_budget_gb: what the "
-                       f"components kept on the device and the encoders' streaming window leave)")
+                       f"components kept on the device and the other streamed components' window leave)")
         raise
     plan.as_component(path, state.name, state.policy)  # its budget printed as path's share of the user's
     state.component_planned(path, plan)
 
 
 def component_budget(state: OffloadState) -> int:
-    """A denoiser's share of ``device_budget_gb``: what the components kept on the device (the VAE) and
-    the encoders' streaming window leave, split between the denoisers."""
+    """A denoiser's share of ``device_budget_gb``: what the components kept on the device (the VAE unless
+    ``components=`` names it) and the streaming window of the other streamed components (encoders, a named VAE)
+    leave, split between the denoisers."""
     policy, runtime = state.policy, state.runtime
     budget, source = resolve_budget(policy)
     kept = 0 if policy.device_budget_gb == "free" else runtime.unmanaged_bytes  # "free" counts them already
     denoisers = [p for p in state.plans] + state.unplanned
-    encoders = [g.nbytes for g in runtime.groups if g.name.split(".", 1)[0] not in denoisers]
-    window = (policy.prefetch + 1) * max(encoders, default=0)
+    others = [g.nbytes for g in runtime.groups if g.name.split(".", 1)[0] not in denoisers]  # encoders, a named VAE
+    window = (policy.prefetch + 1) * max(others, default=0)
     share = (budget - kept - window) // max(len(denoisers), 1)
     if share <= 0:
         raise InfeasibleBudgetError(
             f"{source} leaves nothing for {state.name}'s denoisers: {kept} B stay on the device (the VAE and other "
-            f"components) and the encoders stream {window} B at a time; raise device_budget_gb",
+            f"components) and the other streamed components stream {window} B at a time; raise device_budget_gb",
             needed_bytes=kept + window + 1, budget_bytes=budget)
     return share

@@ -30,10 +30,11 @@ class PipelineModules(nn.Module):
 
 def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans: dict[str, OffloadPlan],
                      filled: FilledBuckets | None = None) -> OffloadRuntime:
-    """The runtime of a pipeline under the block strategies: encoders, then denoisers, grouped block by block
+    """The runtime of a pipeline under the block strategies: the components streamed (`pipeline_streamed`: those
+    ``policy.components`` names, else encoders, then denoisers), grouped block by block
     (`component_block_groups`), each denoiser that ``auto`` planned as its plan says; the other components
     on the compute device. With plans, the prefetch depth is the smallest they chose."""
-    paths = pipeline_streamed(modules, name)
+    paths = pipeline_streamed(modules, name, policy.components)
     planned = {path: planned_specs(modules.get_submodule(path), within(policy, path), plan)
                for path, plan in plans.items()}
     if plans:
@@ -44,6 +45,7 @@ def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans
 
 
 def within(policy: OffloadPolicy, path: str) -> OffloadPolicy:
-    """``policy`` as seen by the component at ``path`` (its ``blocks_attr`` relative to that component)."""
-    return policy.replace(blocks_attr=blocks_attr_within(policy.blocks_attr, path))
+    """``policy`` as seen by the component at ``path``, grouped as a model of its own: its ``blocks_attr``
+    relative to it, and no ``components`` (those named the pipeline's)."""
+    return policy.replace(blocks_attr=blocks_attr_within(policy.blocks_attr, path), components=None)
 

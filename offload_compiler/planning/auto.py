@@ -100,7 +100,7 @@ class OffloadPlan:
         whole = (f"device_budget_gb={user:g} ({user * GIB / 2**20:.3f} MiB)" if user != "free"
                  else "device_budget_gb='free'")
         self.budget_source = (f"{path}'s share of {pipeline}'s {whole}: what the components kept on the device "
-                              f"and the encoders' streaming window leave")
+                              f"and the other streamed components' window leave")
 
     @property
     def prefetch(self) -> int:
