@@ -678,6 +678,77 @@ def test_regional_traces_a_stacks_block_once_and_each_block_streams_its_own_weig
         assert seen[1:] == [(0, 0)]
 
 
+_BODY_TRACES = []
+
+
+@torch.compiler.assume_constant_result  # run by dynamo each time it traces the code that calls it, not per call
+def _body_traced() -> bool:
+    _BODY_TRACES.append(1)
+    return True
+
+
+class _Cache:
+    """Stands in for a KV cache: an object a block is given and writes into (an object dynamo cannot fingerprint)."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+
+class _CachingBlock(_PlainBlock):
+    def forward(self, x, cache=None, scale=1.0):
+        if _body_traced() and cache is not None:
+            cache.seen.append(x.shape[-1])  # a write into the call's object, as a decoder layer's cache update
+        return super().forward(x) * scale
+
+
+class _CachingBlocks(_Blocks):
+    def forward(self, x, use_cache=True):
+        cache = _Cache() if use_cache else None
+        for block in self.blocks:
+            x = block(x, cache=cache, scale=0.5)
+        return self.head(x), len(cache.seen) if cache is not None else 0
+
+
+@needs_regions
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_regional_traces_a_block_once_unless_its_call_takes_an_object_dynamo_cannot_reuse_it_for(use_cache,
+                                                                                                 monkeypatch):
+    """Without the cache, the four blocks' body is traced once, one region called four times. Called with an object
+    (as a decoder layer with its KV cache), dynamo would trace the region again for every block (it fingerprints
+    only tensors, numbers, strings, None and modules, and the block writes into the object): the blocks are
+    traced inline, once each, without the region's own costs. Outputs and traffic as the plain model's."""
+    seen = _captured_regions(monkeypatch)
+    model = _CachingBlocks(_CachingBlock).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = model(x, use_cache=use_cache)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", regional=True))
+        _BODY_TRACES.clear()
+        got = m(x, use_cache=use_cache)
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1] == (4 if use_cache else 0)
+    assert seen == ([(0, 0)] if use_cache else [(4, 1)])
+    assert len(_BODY_TRACES) == (4 if use_cache else 1)
+    stats = assert_traffic_matches_plan(m)
+    assert stats.fetch_count == 5 and stats.bytes_transferred == sum(p.numel() * 4 for p in m.parameters())
+
+
+@needs_regions
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_regional_llama_layers_are_one_region_without_the_kv_cache_and_inline_with_it(use_cache, monkeypatch):
+    """A Llama's decoder layers: one region for all three without the KV cache; with it (each layer is given the
+    cache object and writes into it) they are traced inline. Logits equal the plain model's either way."""
+    seen = _captured_regions(monkeypatch)
+    model, inputs = llama(layers=3)
+    plain = copy.deepcopy(model)
+    inputs = {**inputs, "use_cache": use_cache}
+    with torch.no_grad():
+        expected = plain(**inputs).logits
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", regional=True))
+        assert torch.equal(m(**inputs).logits, expected)
+    assert seen == ([(0, 0)] if use_cache else [(3, 1)])
+    assert_traffic_matches_plan(m)
+
+
 @needs_regions
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 def test_regional_refused_by_dynamo_captures_the_model_whole_with_one_warning(device, monkeypatch):
@@ -710,6 +781,7 @@ def test_regional_under_inductor_and_auto_streams_the_plan(monkeypatch):
     evict shows as NaN) and under ``auto``, whose blocks become regions once it planned."""
     seen = _captured_regions(monkeypatch)
     model, inputs, plain = _llama()
+    inputs = {**inputs, "use_cache": False}  # with its KV cache, the layers are traced inline (the test above)
     with torch.no_grad():
         expected = plain(**inputs).logits
         m = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor",

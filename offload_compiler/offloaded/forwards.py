@@ -302,6 +302,40 @@ def _own_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module.__dict__[OWN_FORWARD](*args, **kwargs)
 
 
+def _region_where_reusable(region: Any, inline: Any) -> Any:
+    """What a block traced as a nested compile region runs where dynamo traces an offloaded call: the region where
+    dynamo could reuse it for the next block, its code inline where it could not. Dynamo reuses a region only for
+    calls whose inputs it can fingerprint (tensors, numbers, strings, None, modules, and tuples, lists and dicts of
+    them); any other object -- a transformers KV cache, which every decoder layer also writes into -- makes it
+    trace the region again at every block, paying on top of inline tracing the region's own costs (the body
+    speculated as a subgraph, the inputs flattened through its traced pytree, the new graph compared with each
+    one installed before), for no reuse. The choice reads only the types of the call's inputs: no guard per block."""
+
+    def traced(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _fingerprintable(args) and _fingerprintable(kwargs.values()):
+            return region(self, *args, **kwargs)
+        return inline(self, *args, **kwargs)
+    return traced
+
+
+_FINGERPRINTED = (torch.Tensor, bool, int, float, str, nn.Module)
+
+
+def _fingerprintable(values: Any) -> bool:
+    """Whether dynamo can fingerprint every one of ``values`` as a nested compile region's input (its
+    ``classify_vt`` leaves, within tuples, lists and dicts). A plain loop: dynamo traces it at every block."""
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            if not _fingerprintable(value):
+                return False
+        elif isinstance(value, dict):
+            if not _fingerprintable(value.values()):
+                return False
+        elif value is not None and not isinstance(value, _FINGERPRINTED):
+            return False
+    return True
+
+
 _ROUTED: dict[tuple, type] = {}
 
 
@@ -316,7 +350,8 @@ def routed_class(cls: type, region: bool = False, own_forward: bool = False) -> 
         if own_forward:
             traced, region_forward = _own_forward, None
         elif region:
-            traced = region_forward = torch.compiler.nested_compile_region(cls.forward)
+            region_forward = torch.compiler.nested_compile_region(cls.forward)
+            traced = _region_where_reusable(region_forward, cls.forward)
         else:
             traced, region_forward = cls.forward, None
         forward = _routed_forward(traced)
