@@ -79,10 +79,16 @@ def read_header(path: str) -> dict[str, Entry]:
             meta = json.loads(f.read(length))
         except ValueError as error:
             raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON ({error})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a safetensors file: its header is a JSON {type(meta).__name__}, not an "
+                              f"object of tensors; {FIX}")
     entries = {}
     for name, info in meta.items():
         if name == "__metadata__":
             continue
+        if not _well_formed(info):
+            raise CheckpointError(f"{name} in {path} is not a safetensors tensor entry (it needs a dtype, a shape and "
+                                  f"two data_offsets; it is {str(info)[:120]}): the file is corrupt; {FIX}")
         dtype = DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise CheckpointError(f"{name} in {path} has dtype {info.get('dtype')!r}, which torch cannot hold")
@@ -96,6 +102,27 @@ def read_header(path: str) -> dict[str, Entry]:
                                   f"truncated (an interrupted download or copy); {FIX}")
         entries[name] = Entry(name, path, dtype, shape, start, end)
     return entries
+
+
+def _well_formed(info: Any) -> bool:
+    """A header entry as safetensors writes it: a dtype name, a list of sizes and a [start, end] byte range."""
+    def whole(values: Any) -> bool:
+        return isinstance(values, list) and all(isinstance(v, int) and v >= 0 for v in values)
+    return (isinstance(info, dict) and isinstance(info.get("dtype"), str) and whole(info.get("shape"))
+            and whole(info.get("data_offsets")) and len(info["data_offsets"]) == 2
+            and info["data_offsets"][0] <= info["data_offsets"][1])
+
+
+def _weight_map(index: pathlib.Path) -> dict[str, str]:
+    """A sharded checkpoint's index: each tensor's name -> the shard file holding it."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as error:
+        raise CheckpointError(f"{index} is not a checkpoint index (a JSON object with a weight_map): {error}; "
+                              f"{FIX}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor names to shard files; {FIX}")
+    return weight_map
 
 
 def checkpoint_index(path: str | os.PathLike) -> dict[str, Entry]:
@@ -112,22 +139,27 @@ def checkpoint_index(path: str | os.PathLike) -> dict[str, Entry]:
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {root} does not exist")
     indexes = sorted(root.glob("*.safetensors.index.json"))
-    if indexes:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        files = list(dict.fromkeys(weight_map.values()))
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
+    weight_map = _weight_map(indexes[0]) if indexes else None
+    files = (list(dict.fromkeys(weight_map.values())) if weight_map is not None
+             else sorted(p.name for p in root.glob("*.safetensors")))
     if not files:
         found = sorted(p.name for p in root.iterdir())[:8]
         raise CheckpointError(f"{root} holds no .safetensors file (found {found}); offload_compile loads "
                               f"safetensors only")
-    entries: dict[str, Entry] = {}
+    headers: dict[str, dict[str, Entry]] = {}
     for name in files:
         shard = root / name
         if not shard.is_file():
             raise CheckpointError(f"{indexes[0].name} names {name}, which is missing from {root}")
-        entries.update(read_header(str(shard)))
-    return entries
+        headers[name] = read_header(str(shard))
+    if weight_map is None:
+        return {tensor: entry for header in headers.values() for tensor, entry in header.items()}
+    # each tensor from the shard the index names for it (another shard may hold a tensor of the same name)
+    unmet = [tensor for tensor, shard in weight_map.items() if tensor not in headers[shard]]
+    if unmet:
+        raise CheckpointError(f"{indexes[0].name} places {len(unmet)} tensors in shards that do not hold them, such as "
+                              f"{[(t, weight_map[t]) for t in unmet[:3]]}: the index and its shards disagree; {FIX}")
+    return {tensor: headers[shard][tensor] for tensor, shard in weight_map.items()}
 
 
 # -- matching the model to the checkpoint ---------------------------------------------------------------------
@@ -158,6 +190,14 @@ def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Entry]:
                                   f"weights; quantize after loading")
         sources[ident] = entry
     if missing:
+        per_expert = _held_per_expert(missing, entries)
+        if per_expert:
+            raise CheckpointError(
+                f"the checkpoint holds {per_expert[0]} expert by expert (such as {per_expert[1]}), as transformers' "
+                f"save_pretrained writes a mixture-of-experts model, but {type(model).__name__} holds its experts fused "
+                f"({missing[:2]}); transformers converts them while loading, offload_compile reads each weight under "
+                f"the model's own state_dict name. Write such a checkpoint once from the model loaded on the CPU: "
+                f"safetensors.torch.save_file(model.state_dict(), 'model.safetensors'); nothing was changed")
         sample = sorted(entries)[:3]
         raise CheckpointError(f"the checkpoint lacks {len(missing)} weights of {type(model).__name__} that are on the "
                               f"meta device, such as {missing[:4]} (it holds names such as {sample}); {FIX}")
@@ -171,6 +211,19 @@ def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Entry]:
         warnings.warn(f"offload_compiler: the checkpoint holds {len(unused)} tensors that {type(model).__name__} "
                       f"does not have, such as {unused[:4]}; they are not loaded", RuntimeWarning, stacklevel=4)
     return sources
+
+
+def _held_per_expert(missing: list[str], entries: dict[str, Entry]) -> tuple[str, str] | None:
+    """(``<module>.experts``, a checkpoint name under it) where a missing fused expert weight
+    (``<module>.experts.gate_up_proj``) is held by the checkpoint per expert (``<module>.experts.0.gate_proj.weight``)."""
+    for name in missing:
+        module, _, _ = name.rpartition(".")
+        if not module.endswith("experts"):
+            continue
+        held = next((key for key in entries if key.startswith(module + ".0.")), None)
+        if held is not None:
+            return module, held
+    return None
 
 
 # -- reading -------------------------------------------------------------------------------------------------

@@ -121,6 +121,72 @@ def test_tied_weights_and_a_sharded_directory(tmp_path):
         assert torch.equal(model(x), ref(x))
 
 
+def test_each_tensor_of_a_sharded_checkpoint_comes_from_the_shard_its_index_names(tmp_path):
+    """A shard may hold a tensor the index places in another (a stale copy): the index decides, as transformers'
+    loader reads it; a tensor the index places in a shard that lacks it is refused before anything is read."""
+    ref = _reference(3)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    names = sorted(state)
+    first, second = names[:len(names) // 2], names[len(names) // 2:]
+    stale = {k: torch.zeros_like(state[k]) for k in first[:2]}  # zeros under the first shard's names
+    save_file({k: state[k] for k in first}, str(tmp_path / "a.safetensors"))
+    save_file({**{k: state[k] for k in second}, **stale}, str(tmp_path / "b.safetensors"))
+    index = {"weight_map": {**{k: "a.safetensors" for k in first}, **{k: "b.safetensors" for k in second}}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = offload_compile(_empty(), OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    index["weight_map"][second[0]] = "a.safetensors"  # the index and its shards disagree
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "places 1 tensors in shards that do not hold them" in _refused(tmp_path)
+
+
+def test_malformed_headers_and_indexes_are_checkpoint_errors(tmp_path):
+    path = _saved(tmp_path, _reference())
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    name = next(k for k in header if k != "__metadata__")
+    for broken in ({**header, name: {k: v for k, v in header[name].items() if k != "shape"}},
+                   {**header, name: {**header[name], "data_offsets": [-8, -4]}}, list(header)):
+        text = json.dumps(broken).encode().ljust(length)
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+        message = _refused(bad)
+        assert "is not a safetensors tensor entry" in message or "its header is a JSON list" in message, message
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({k: v.contiguous() for k, v in _reference().state_dict().items()}, str(shards / "m.safetensors"))
+    (shards / "model.safetensors.index.json").write_text("{not json")
+    assert "is not a checkpoint index" in _refused(shards)
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    assert "has no weight_map" in _refused(shards)
+
+
+def test_a_mixture_of_experts_checkpoint_saved_expert_by_expert_names_the_fix(tmp_path):
+    """transformers writes a fused-experts model's experts one by one (and fuses them again while loading): the
+    refusal says so and names the checkpoint that loads, which then does."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=16, num_hidden_layers=1, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=32)
+    torch.manual_seed(0)
+    ref = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path / "pretrained")
+    with empty_weights():
+        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    if not any(k.endswith("experts.gate_up_proj") for k in model.state_dict()):
+        pytest.skip("this transformers keeps its experts as separate modules")
+    message = _refused(tmp_path / "pretrained", model)
+    assert "expert by expert" in message and "save_file(model.state_dict()" in message
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "fused.safetensors"))
+    model = offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path / "fused.safetensors")
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
 def test_transformers_model_saved_with_save_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=50, n_positions=16)
