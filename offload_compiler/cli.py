@@ -44,6 +44,29 @@ def _models_epilog() -> str:
                                                                             initial_indent="  ", subsequent_indent="  ")
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1 call")
+    return value
+
+
+def _budget_gb(text: str) -> str:
+    """``free`` or GiB above zero (kept as given: `_auto_policy` reads it)."""
+    if text == "free":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither GiB (a number, e.g. 4 or 0.5) nor 'free'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: GiB above 0, or 'free' (the device's free memory)")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     epilog = _models_epilog()
     parser = argparse.ArgumentParser(prog="offload-compiler", description=__doc__, epilog=epilog,
@@ -59,12 +82,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--device", help="compute device (default: cuda when available, else cpu; 'sim': the simulated "
                                         "accelerator of offload_compiler.testing, a device that is not the host)")
         p.add_argument("--strategy", choices=IMPLEMENTED_STRATEGIES + ("auto",))
-        p.add_argument("--device-budget-gb", help="strategy auto: GiB of device memory for weights and activations, "
+        p.add_argument("--device-budget-gb", type=_budget_gb, help="strategy auto: GiB of device memory for weights and activations, "
                                                   "or 'free' (free memory now minus --budget-margin-gb)")
         p.add_argument("--budget-margin-gb", type=float)
         p.add_argument("--plots", metavar="DIR", help="save plots: residency.png (device weights along each graph, verified plan and ledger "
                             "peak); with strategy auto also timeline.png (predicted transfers vs compute)")
-        p.add_argument("--calls", type=int, default=2, help="calls to run (auto times calls 3 to 5 for the plan)")
+        p.add_argument("--calls", type=_at_least_one, default=2, help="calls to run (auto times calls 3 to 5 for the plan)")
         p.add_argument("--prefetch", type=int)
         p.add_argument("--prefetch-next-call", action="store_true", default=None,
                        help="the last groups of a call prefetch the first groups of the next call")
@@ -104,7 +127,14 @@ def load_model(spec: str) -> tuple[torch.nn.Module, tuple, dict]:
             fn = getattr(importlib.import_module(module_name), fn_name)
         except (ImportError, AttributeError) as exc:
             raise SystemExit(f"--model {spec!r}: cannot load {fn_name} from {module_name}: {exc}") from None
-        model, inputs = fn()
+        try:
+            model, inputs = fn()
+        except Exception as exc:  # the user's builder: its error, named, without our traceback around it
+            raise SystemExit(f"--model {spec!r}: {fn_name}() must take no arguments and return (model, inputs); it "
+                             f"raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"--model {spec!r}: expected (model, inputs) with model an nn.Module, got a "
+                         f"{type(model).__name__}")
     if isinstance(inputs, dict):
         return model, (), inputs
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
@@ -278,7 +308,12 @@ def _run(args: argparse.Namespace, offloaded: Any, plain: Any, inputs: tuple, kw
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.stage is not None and not args.stage_config:
+        parser.error("--stage chooses a stage of --stage-config: give the stage YAML too")
+    if args.plots and os.path.exists(args.plots) and not os.path.isdir(args.plots):
+        parser.error(f"--plots {args.plots}: a file is there; name a directory (made if missing)")
     if args.device is not None and args.device.split(":")[0] == "sim":
         from .testing import simulated_device
         args.device = simulated_device()

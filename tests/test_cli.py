@@ -134,3 +134,26 @@ def test_the_equality_line_says_how_equality_was_judged():
     far = _equivalence(out + 1, out)
     assert equivalence_line(far) == ("outputs equal the plain model: False (max abs diff 1.00e+00 is over the "
                                      "tolerance 1e-04)")
+
+
+def _builder_that_raises():
+    raise RuntimeError("no weights here")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--model", "llama", "--calls", "0"], "argument --calls: 0: at least 1 call"),
+    (["plan", "--model", "llama", "--device-budget-gb", "abc"], "argument --device-budget-gb: 'abc' is neither GiB"),
+    (["plan", "--model", "llama", "--device-budget-gb", "-1"], "GiB above 0, or 'free'"),
+    (["plan", "--model", "llama", "--stage", "3"], "--stage chooses a stage of --stage-config"),
+    (["plan", "--model", "llama", "--plots", __file__], "a file is there; name a directory"),
+])
+def test_bad_flag_values_are_refused_before_anything_runs_naming_the_flag(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert says in capsys.readouterr().err
+
+
+def test_a_model_builder_that_fails_is_named_without_a_traceback():
+    with pytest.raises(SystemExit, match=r"_builder_that_raises\(\) must take no arguments and return \(model, inputs\); "
+                                         r"it raised RuntimeError: no weights here"):
+        main(["plan", "--model", "test_cli:_builder_that_raises", "--device", "cpu"])
