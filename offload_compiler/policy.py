@@ -398,6 +398,22 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
+def _offload_gib(value: Any, where: str) -> float | None:
+    """``cpu_offload_gb`` as a number of GiB: a number, or the text of one (YAML reads ``1e-6`` as a string)."""
+    if value is None:
+        return None
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not number >= 0:
+        raise ValueError(f"{where}: cpu_offload_gb={value!r} must be the GiB of weights to stream from host memory, "
+                         f"a number >= 0 (0: no budget offload), e.g. cpu_offload_gb: 4.0")
+    return float(number)
+
+
 def _on(args: Mapping[str, Any], key: str) -> bool:
     if key == "cpu_offload_gb":
         return bool(args.get(key))
@@ -447,6 +463,8 @@ def policy_from_engine_args(args: Mapping[str, Any], where: str = "engine args")
     overrides included) is a UserWarning naming the key and what wins. OffloadPolicy field names
     (``device``, ``prefetch``, ...) pass through."""
     check_keys(args, where)
+    if "cpu_offload_gb" in args:
+        args = {**args, "cpu_offload_gb": _offload_gib(args["cpu_offload_gb"], where)}
     fields = {k: v for k, v in args.items() if k in POLICY_FIELDS}
     if "cpu_offload_pin_memory" in args:
         fields["pin_memory"] = _bool("cpu_offload_pin_memory", args["cpu_offload_pin_memory"])

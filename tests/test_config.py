@@ -239,3 +239,15 @@ def test_load_stage_configs_is_importable_from_the_package():
 
     assert top_level is load_stage_configs
     assert "load_stage_configs" in offload_compiler.__all__
+
+
+@pytest.mark.parametrize("value, gib", [("4", 4.0), ("1e-6", 1e-6), (2, 2.0)])
+def test_cpu_offload_gb_may_be_the_text_of_a_number_as_yaml_reads_1e_6(value, gib):
+    policy = OffloadPolicy.from_engine_args({"cpu_offload_gb": value})
+    assert policy.strategy == "budget" and policy.offload_gb == gib
+
+
+@pytest.mark.parametrize("value", [-1, "abc", True, [4]])
+def test_a_bad_cpu_offload_gb_is_refused_under_its_own_name(value):
+    with pytest.raises(ValueError, match=r"cpu_offload_gb=.* must be the GiB of weights .* a number >= 0"):
+        OffloadPolicy.from_engine_args({"cpu_offload_gb": value})
