@@ -39,22 +39,23 @@ class Stack(nn.Module):
         return self.blocks[0].in_features  # reads no weight
 
 
-def _offloaded(model_class=None):
+def _offloaded(model_class=None, device="cpu"):
+    """The model offloaded onto ``device`` (``x`` there too), the plain model's output and its weights before."""
     torch.manual_seed(0)
     model = (model_class or Stack)().eval()
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(2, 8)
     with torch.no_grad():
         expected = model(x)
-    return offload_compile(model, OffloadPolicy(strategy="layerwise", **CPU)), x, expected, snapshot
+    return offload_compile(model, OffloadPolicy(strategy="layerwise", device=device)), x.to(device), expected, snapshot
 
 
 def _still_whole(m, x, expected, snapshot):
     reset_offload_stats(m)
     with torch.no_grad():
-        assert torch.equal(m(x), expected)
+        assert torch.equal(m(x).cpu(), expected)
     assert_traffic_matches_plan(m)
-    assert all(torch.equal(v, snapshot[k]) for k, v in m.state_dict().items())
+    assert all(torch.equal(v.cpu(), snapshot[k]) for k, v in m.state_dict().items())
 
 
 def test_backward_through_an_offloaded_model_says_inference_only_and_names_the_fix():
@@ -85,25 +86,14 @@ def test_backward_on_a_device_that_is_not_the_host_is_refused_by_name():
     """On the simulated accelerator the backward reaches our refusal, as on the CPU: nothing of the device's own
     autograd set-up fails first, no gradient is written, and the model runs on."""
     from offload_compiler.testing import simulated_device
-    device = simulated_device()
-    torch.manual_seed(0)
-    model = Stack().eval()
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
-    x = torch.randn(2, 8)
-    with torch.no_grad():
-        expected = model(x)
-    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device))
-    probe = x.to(device).requires_grad_()
+    m, x, expected, snapshot = _offloaded(device=simulated_device())
+    probe = x.clone().requires_grad_()
     y = m(probe)
     assert y.requires_grad and torch.equal(y.detach().cpu(), expected)
     with pytest.raises(OffloadRefusal, match=r"runs inference only.*remove_offload\(m\)"):
         y.sum().backward()
     assert probe.grad is None and all(p.grad is None for p in m.parameters())
-    reset_offload_stats(m)
-    with torch.no_grad():
-        assert torch.equal(m(x.to(device)).cpu(), expected)
-    assert_traffic_matches_plan(m)
-    assert all(torch.equal(v.cpu(), snapshot[k]) for k, v in m.state_dict().items())
+    _still_whole(m, x, expected, snapshot)
 
 
 def test_parts_chain_with_grad_mode_on_as_the_plain_modules_do():
@@ -170,27 +160,16 @@ def test_a_wrong_input_dtype_is_torchs_own_error_naming_the_call_and_the_model_r
     own error, as the plain model raises it, with a note naming the offloaded call and its inputs; nothing else on
     stderr (a graph module's call prints an excerpt of its generated code there); nothing left on the device."""
     from offload_compiler.testing import simulated_device
-    device = simulated_device() if on == "sim" else torch.device("cpu")
-    torch.manual_seed(0)
-    model = Stack().eval()
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
-    x = torch.randn(2, 8)
+    m, x, expected, snapshot = _offloaded(device=simulated_device() if on == "sim" else "cpu")
     with torch.no_grad():
-        expected = model(x)
-    m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device))
-    with torch.no_grad():
-        assert torch.equal(m(x.to(device)).cpu(), expected)
+        assert torch.equal(m(x).cpu(), expected)
         capsys.readouterr()
         with pytest.raises(RuntimeError, match="same dtype") as error:
-            m(x.double().to(device))
+            m(x.double())
     assert "in Stack.forward(x=Tensor[2, 8] float64), run offloaded; the model is unchanged" in error.value.__notes__
     assert capsys.readouterr().err == ""
     assert offload_stats(m).live_device_bytes == 0  # the failed call's fetched groups were given back
-    reset_offload_stats(m)
-    with torch.no_grad():
-        assert torch.equal(m(x.to(device)).cpu(), expected)
-    assert_traffic_matches_plan(m)
-    assert all(torch.equal(v.cpu(), snapshot[k]) for k, v in m.state_dict().items())
+    _still_whole(m, x, expected, snapshot)
 
 
 class _CheckedPrefix(nn.Module):
