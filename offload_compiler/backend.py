@@ -23,7 +23,7 @@ from .passes.analysis import RoutedRead, collect_uses, routed_reads, weight_inpu
 from .passes.routed import route_reads
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
-from .passes.slots import assign_slots, pool_bytes
+from .passes.slots import assign_slots, schedule_pool_bytes
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .host_masters import OnDemand, replace_tensors, with_host_masters
@@ -132,9 +132,9 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     schedule = build_schedule(uses, 0 if alternating else policy.prefetch, carry=policy.prefetch_next_call,
                               read_ahead=on_disk)
     resident = {w.group for w in weights.values()} - streamed
+    parked = _parked_instance(schedule, runtime)
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
-                                 runtime.new_fetch_key, _parked_instance(schedule, runtime),
-                                 materialize_readers=policy.compiler == "inductor")
+                                 runtime.new_fetch_key, parked, materialize_readers=policy.compiler == "inductor")
     group_bytes = {g.index: g.nbytes for g in runtime.groups}
     verified = verify(rewritten.graph_module, weights, group_bytes)
     class_of = lambda group: size_class(runtime.groups[group])  # noqa: E731
@@ -143,7 +143,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     routed_slots = runtime.transfers.plan_routed([r for rs in routed.values() for r in rs])
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(
         schedule, verified, len(gm.graph.nodes), rewritten.carry_keys,
-        pool_bytes(slots, class_of, group_bytes) + routed_slots,
+        schedule_pool_bytes(schedule, class_of, parked) + routed_slots,
         tuple(r for rs in routed.values() for r in rs))
 
 

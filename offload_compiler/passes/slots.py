@@ -15,7 +15,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .nodes import Evict, Prefetch, Wait, fetch_of, transfer_view
-from .schedule import ADOPT, CARRY
+from .schedule import ADOPT, CARRY, FETCH, Schedule
 
 Events = list[tuple[str, int, int, int]]  # (take | give, fetch key, group, prefetch mode or -1)
 
@@ -30,6 +30,38 @@ def slot_events(gm: fx.GraphModule) -> Events:
         elif isinstance(view, Evict) and not view.park:  # parked: kept
             wait = fetch_of(view.buffers[0])  # an evict's buffers are all its wait's
             events.append(("give", wait.key, wait.group, -1))
+    return events
+
+
+def schedule_slot_events(schedule: Schedule, parked: frozenset[int] = frozenset()) -> Events:
+    """The events `slot_events` reads from the graph `passes.insert.insert_transfers` rewrites for ``schedule``,
+    from the schedule alone (the fetch key of an instance is its index), in the same order: at an instance's
+    wait, the prefetches issued there (ADOPT for a carried instance), then the carries issued there, then the
+    wait; the evicts after the node where an instance ends (a ``parked`` instance's slot is kept); the carries
+    issued after the graph's last node. The planner sizes the device pool of a candidate schedule with it
+    before any graph is rewritten."""
+    instances = schedule.instances
+    carried = schedule.carried
+    prefetched_at: dict[int, list[int]] = {}
+    for inst in instances:
+        prefetched_at.setdefault(schedule.prefetch_at[inst.index], []).append(inst.index)
+    carried_at: dict[int, list[int]] = {}
+    for index, at in schedule.carry_at:
+        carried_at.setdefault(at, []).append(index)
+    waits_at: dict[int, list[int]] = {}
+    evicts_at: dict[int, list[int]] = {}
+    for inst in instances:
+        waits_at.setdefault(inst.start, []).append(inst.index)
+        evicts_at.setdefault(inst.end, []).append(inst.index)
+    events: Events = []
+    for position in sorted(set(waits_at) | set(evicts_at)):
+        for i in waits_at.get(position, []):
+            events += [("take", a, instances[a].group, ADOPT if a in carried else FETCH)
+                       for a in prefetched_at.get(i, [])]
+            events += [("take", c, instances[c].group, CARRY) for c in carried_at.get(i, [])]
+            events.append(("take", i, instances[i].group, -1))
+        events += [("give", i, instances[i].group, -1) for i in evicts_at.get(position, []) if i not in parked]
+    events += [("take", c, instances[c].group, CARRY) for c in carried_at.get(len(instances), [])]
     return events
 
 
@@ -90,8 +122,27 @@ def plan_slots(events: Events, class_of: Callable[[int], tuple]) -> dict[int, tu
             dedicated.add(conflict.key)
 
 
-def pool_bytes(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple],
-               group_bytes: dict[int, int]) -> int:
-    """Bytes of the distinct slots a graph's fetches use."""
-    slots = {(class_of(group), index): group_bytes[group] for group, index in assignment.values()}
-    return sum(slots.values())
+def slot_counts(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple]) -> dict[tuple, int]:
+    """Size class -> how many slots of it a graph's fetches use (its pool: `DevicePool.reserve` grows to it)."""
+    counts: dict[tuple, int] = {}
+    for group, index in assignment.values():
+        cls = class_of(group)
+        counts[cls] = max(counts.get(cls, 0), index + 1)
+    return counts
+
+
+def class_bytes(size_class: tuple) -> int:
+    """Device bytes of one slot of ``size_class`` (`DeviceSlot.nbytes`)."""
+    return sum(numel * dtype.itemsize for numel, dtype in size_class)
+
+
+def pool_bytes(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple]) -> int:
+    """Bytes of the distinct slots a graph's fetches use: device memory held from its first call on."""
+    return sum(count * class_bytes(cls) for cls, count in slot_counts(assignment, class_of).items())
+
+
+def schedule_pool_bytes(schedule: Schedule, class_of: Callable[[int], tuple],
+                        parked: frozenset[int] = frozenset()) -> int:
+    """Bytes of the device slots ``schedule``'s fetches land in, as the backend colours them: what the pool
+    of a graph rewritten for it holds (the planner's and the backend's number, one function)."""
+    return pool_bytes(plan_slots(schedule_slot_events(schedule, parked), class_of), class_of)

@@ -157,6 +157,11 @@ class TransferEngine:
             keys[key] = r.bound_bytes
         return sum(keys.values())
 
+    @property
+    def routed_slot_bytes(self) -> int:
+        """Device bytes of the routed fetches' slots, made when their graphs were planned."""
+        return sum(t.nbytes for t in self._routed_slots.values())
+
     def routed(self, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int) -> torch.Tensor:
         """``weight[ids]`` for a weight read by indices (router indices; a table's lookup, ``ids`` of any shape):
         the distinct rows ``ids`` names (at most ``bound``, the planned slot's size) are copied from the host into
