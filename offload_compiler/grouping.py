@@ -532,10 +532,11 @@ BUDGET_SAVED_SHARE = 0.5
 
 def peak_estimate(groups: Iterable, prefetch: int) -> int:
     """Device weight bytes a block plan (layerwise, budget) holds, before any graph is captured: the resident
-    groups and its device slots. Slots are per size class (groups whose flat buffers have the same sizes and
-    dtypes share them), allocated whole at the first call and held after it; a class needs as many as its
-    copies alive at once, at most ``prefetch`` + 1 (the group computing and those fetched ahead of it) and at
-    most its groups. ``groups`` are `GroupSpec`s or a runtime's groups. The planned slots replace it once graphs
+    groups and its device slots, allocated whole at the first call and held after it. Slots are per size class
+    (groups whose flat buffers have the same sizes and dtypes), or shared by a kind (the same dtypes; each slot
+    its largest group), whichever is smaller (`passes.slots.Pooling`); either needs as many as its copies alive
+    at once, at most ``prefetch`` + 1 (the group computing and those fetched ahead of it) and at most its
+    groups. ``groups`` are `GroupSpec`s or a runtime's groups. The planned slots replace it once graphs
     exist.
 
     With ``prefetch_next_call`` the window is the same: the schedule (`passes.schedule._carry_points`) copies
@@ -544,14 +545,17 @@ def peak_estimate(groups: Iterable, prefetch: int) -> int:
     prefetch that does not happen: at most prefetch + 1 groups still (the last ones and the first ones, the
     cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
     it is waited for (no group's use spans another's)."""
+    from .passes.slots import class_bytes, kind_capacities, slot_kind  # the runtime imports this module
     groups = list(groups)
-    per_class: dict[tuple, int] = {}
-    for g in groups:
-        if g.streamed:
-            cls = _size_class_of(g)
-            per_class[cls] = per_class.get(cls, 0) + 1
-    slots = sum(min(count, prefetch + 1) * sum(numel * dtype.itemsize for numel, dtype in cls)
-                for cls, count in per_class.items())
+    classes = [_size_class_of(g) for g in groups if g.streamed]
+    window = prefetch + 1
+    by_class: dict[tuple, int] = {}  # kind -> its slots' bytes, per size class
+    for cls in set(classes):
+        by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + min(classes.count(cls), window) * class_bytes(cls)
+    slots = 0
+    for kind, capacity in kind_capacities(classes).items():  # or shared by the kind, whichever is smaller
+        shared = min(sum(slot_kind(c) == kind for c in classes), window) * class_bytes(capacity)
+        slots += min(by_class[kind], shared)
     return sum(g.nbytes for g in groups if not g.streamed) + slots
 
 

@@ -10,7 +10,8 @@ a carried copy's slot is kept free for it when another is free, and kept for it 
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Iterable
 
 import torch.fx as fx
 
@@ -109,7 +110,7 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
 
 
 def assign_slots(gm: fx.GraphModule, class_of: Callable[[int], tuple]) -> dict[int, tuple[int, int]]:
-    """fetch key -> (group, slot index within its group's size class)."""
+    """fetch key -> (group, slot index within its group's slot class)."""
     return plan_slots(slot_events(gm), class_of)
 
 
@@ -123,7 +124,7 @@ def plan_slots(events: Events, class_of: Callable[[int], tuple]) -> dict[int, tu
 
 
 def slot_counts(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple]) -> dict[tuple, int]:
-    """Size class -> how many slots of it a graph's fetches use (its pool: `DevicePool.reserve` grows to it)."""
+    """Slot class -> how many slots of it a graph's fetches use (`DevicePool.reserve` grows to it)."""
     counts: dict[tuple, int] = {}
     for group, index in assignment.values():
         cls = class_of(group)
@@ -136,13 +137,83 @@ def class_bytes(size_class: tuple) -> int:
     return sum(numel * dtype.itemsize for numel, dtype in size_class)
 
 
-def pool_bytes(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple]) -> int:
+# -- pooling: which groups share slots ---------------------------------------------------------------------
+# A slot holds a group of its size class, or any group of its *kind* (the same bucket dtypes in the same order)
+# whose buckets are each no larger than the slot's: the group's weights are views over the prefix of its
+# buffers. Slots per size class waste nothing per copy but hold prefetch + 1 copies for every class (a model
+# whose blocks differ slightly: T5's first layers, decoder layers with cross-attention); slots shared by a
+# kind hold prefetch + 1 copies in all, each the kind's largest. Per kind, the smaller pool wins.
+
+def slot_kind(size_class: tuple) -> tuple:
+    return tuple(dtype for _, dtype in size_class)
+
+
+def kind_capacities(size_classes: Iterable[tuple]) -> dict[tuple, tuple]:
+    """Kind -> the slot any of ``size_classes`` of that kind fits in: each bucket's largest size. Known from
+    the streamed groups alone (a runtime's, when it is built), so a slot's size is fixed before any graph is
+    planned: a later graph's fetch never needs a larger one than a slot already allocated."""
+    capacity: dict[tuple, tuple] = {}
+    for cls in size_classes:
+        kind = slot_kind(cls)
+        had = capacity.get(kind)
+        capacity[kind] = cls if had is None else tuple((max(a, b), dtype) for (a, dtype), (b, _) in zip(had, cls))
+    return capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Pooling:
+    """How a runtime's groups share device slots: ``size_class`` of a group, the slot each kind's groups
+    share (``capacity``), and the kinds that share it (``shared``; the others get slots per size class)."""
+    size_class: Callable[[int], tuple]
+    capacity: dict[tuple, tuple]
+    shared: frozenset[tuple] = frozenset()
+
+    def slot_class(self, group: int) -> tuple:
+        """The key the colouring gives slots by: the group's kind where the kind shares, else its size class."""
+        cls = self.size_class(group)
+        kind = slot_kind(cls)
+        return (SHARED, kind) if kind in self.shared else cls
+
+    def slot_size(self, slot_class: tuple) -> tuple:
+        """The (numel, dtype) of each buffer of a slot of ``slot_class``."""
+        return self.capacity[slot_class[1]] if slot_class[:1] == (SHARED,) else slot_class
+
+
+SHARED = "shared"  # marks a slot class of a kind's shared slots (a size class starts with a (numel, dtype))
+
+
+def pool_bytes(assignment: dict[int, tuple[int, int]], pooling: Pooling) -> int:
     """Bytes of the distinct slots a graph's fetches use: device memory held from its first call on."""
-    return sum(count * class_bytes(cls) for cls, count in slot_counts(assignment, class_of).items())
+    return sum(count * class_bytes(pooling.slot_size(cls))
+               for cls, count in slot_counts(assignment, pooling.slot_class).items())
 
 
-def schedule_pool_bytes(schedule: Schedule, class_of: Callable[[int], tuple],
-                        parked: frozenset[int] = frozenset()) -> int:
-    """Bytes of the device slots ``schedule``'s fetches land in, as the backend colours them: what the pool
-    of a graph rewritten for it holds (the planner's and the backend's number, one function)."""
-    return pool_bytes(plan_slots(schedule_slot_events(schedule, parked), class_of), class_of)
+def _bytes_per_kind(assignment: dict[int, tuple[int, int]], pooling: Pooling) -> dict[tuple, int]:
+    per_kind: dict[tuple, int] = {}
+    for cls, count in slot_counts(assignment, pooling.slot_class).items():
+        size = pooling.slot_size(cls)
+        per_kind[slot_kind(size)] = per_kind.get(slot_kind(size), 0) + count * class_bytes(size)
+    return per_kind
+
+
+def choose_pooling(events: Events, size_class: Callable[[int], tuple], capacity: dict[tuple, tuple],
+                   decided: dict[tuple, bool] | None = None) -> tuple[Pooling, dict[tuple, bool]]:
+    """Per kind the smaller pool for ``events``: slots per size class, or shared by the kind. A kind an earlier
+    graph of the runtime ``decided`` keeps its decision (its slots may be allocated). Returns the pooling and
+    every kind's decision (``decided`` and the new ones). Deterministic: ties go to slots per size class."""
+    decided = dict(decided or {})
+    by_class = _bytes_per_kind(plan_slots(events, size_class), Pooling(size_class, capacity))
+    all_shared = Pooling(size_class, capacity, frozenset(capacity))
+    by_kind = _bytes_per_kind(plan_slots(events, all_shared.slot_class), all_shared)
+    for kind, nbytes in by_class.items():
+        decided.setdefault(kind, by_kind.get(kind, nbytes) < nbytes)
+    return Pooling(size_class, capacity, frozenset(k for k, shared in decided.items() if shared)), decided
+
+
+def schedule_pool_bytes(schedule: Schedule, size_class: Callable[[int], tuple], capacity: dict[tuple, tuple],
+                        parked: frozenset[int] = frozenset(), decided: dict[tuple, bool] | None = None) -> int:
+    """Bytes of the device slots ``schedule``'s fetches land in, as the backend pools and colours them: what a
+    graph rewritten for it holds (the planner's and the backend's number, one function)."""
+    events = schedule_slot_events(schedule, parked)
+    pooling, _ = choose_pooling(events, size_class, capacity, decided)
+    return pool_bytes(plan_slots(events, pooling.slot_class), pooling)

@@ -165,9 +165,9 @@ class OffloadRuntime:
     def new_fetch_key(self) -> int:
         return self.transfers.new_fetch_key()
 
-    def plan_slots(self, assignment: dict[int, tuple[int, int]]) -> None:
+    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling) -> None:
         """See `TransferEngine.plan_slots`."""
-        self.transfers.plan_slots(assignment)
+        self.transfers.plan_slots(assignment, pooling)
 
     def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
         """See `TransferEngine.plan_transfer`."""

@@ -34,6 +34,7 @@ class DeviceSlot:
         self.filled_in_capture = False  # its copy is a node of a captured graph: it exists only after a replay
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
         self._leaf_views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its plain leaves over the buffers
+        self._cut: dict[int, list[torch.Tensor]] = {}  # group -> the buffers cut to its buckets (`buffers_for`)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -50,6 +51,19 @@ class DeviceSlot:
                 self.free.record(self.streams.compute())
         return self._buffers
 
+    def buffers_for(self, group: Group) -> list[torch.Tensor]:
+        """The buffers cut to ``group``'s buckets, the same tensors on every call: a slot shared by the groups
+        of one kind (`passes.slots.Pooling`) is sized to the largest, and a group's copy is the prefix of each
+        buffer (its leaves' offsets are within it)."""
+        buffers = self.buffers
+        if all(buf.numel() == bucket.numel for buf, bucket in zip(buffers, group.buckets)):
+            return buffers
+        made = self._cut.get(group.index)
+        if made is None:
+            with torch.inference_mode(False):
+                made = self._cut[group.index] = [buf[:bucket.numel] for buf, bucket in zip(buffers, group.buckets)]
+        return made
+
     def staging(self, index: int, pinned: bool) -> torch.Tensor:
         """A host buffer the size of the slot's buffer ``index``, for a group on disk: the file is read into
         it, then copied to the device (pinned where the host store pins, so the copy is asynchronous)."""
@@ -65,6 +79,7 @@ class DeviceSlot:
         self._buffers = None
         self._views.clear()
         self._leaf_views.clear()
+        self._cut.clear()
         self.ready = self.free = None
 
     def leaves(self, group: Group) -> tuple[torch.Tensor, ...]:
@@ -112,10 +127,16 @@ class DevicePool:
         self.streams = streams
         self.slots: dict[tuple, list[DeviceSlot]] = {}
 
-    def reserve(self, size_class: tuple, count: int) -> list[DeviceSlot]:
-        slots = self.slots.setdefault(size_class, [])
+    def reserve(self, slot_class: tuple, count: int, size: tuple | None = None) -> list[DeviceSlot]:
+        """At least ``count`` slots of ``slot_class`` (a size class, or a kind's shared slots: `passes.slots`),
+        each of ``size`` ((numel, dtype) per buffer; the size class itself by default)."""
+        size = slot_class if size is None else size
+        slots = self.slots.setdefault(slot_class, [])
         while len(slots) < count:
-            slots.append(DeviceSlot(size_class, self.device, len(slots), self.streams))
+            slots.append(DeviceSlot(size, self.device, len(slots), self.streams))
+        for slot in slots:  # a kind's slot size is fixed when its runtime is built: a planning bug otherwise
+            if slot.size_class != size:
+                raise AssertionError(f"device slot {slot.index} of {slot_class} is {slot.size_class}, not {size}")
         return slots
 
     def clear(self) -> None:

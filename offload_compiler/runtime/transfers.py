@@ -22,6 +22,7 @@ from .copier import CopyWorker
 from .device import DeviceStreams
 from .host import HostStore, stamp
 from .layout import Group
+from ..passes.slots import Pooling, choose_pooling, kind_capacities
 from .slots import DevicePool, DeviceSlot, Ledger, size_class
 
 CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
@@ -109,6 +110,9 @@ class TransferEngine:
         self.expert_bytes = 0  # of bytes_transferred, expert weights moved: whole fetches and routed ones
         self._routed_slots: dict[tuple, torch.Tensor] = {}  # (expert shape, dtype, bound) -> its fixed slot
         self.pool = DevicePool(device, streams)
+        # the slot each kind's groups can share (`passes.slots.Pooling`): fixed now, before any slot allocates
+        self.kind_capacity = kind_capacities(size_class(g) for g in self.groups if g.streamed)
+        self._shared_kinds: dict[tuple, bool] = {}  # kind -> its groups share slots (decided by its first graph)
         self.copier = CopyWorker()  # disk reads beside compute (see `copier`): its thread starts at the first read
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
         self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
@@ -127,11 +131,24 @@ class TransferEngine:
     def new_fetch_key(self) -> int:
         return next(self._fetch_keys)
 
-    def plan_slots(self, assignment: dict[int, tuple[int, int]]) -> None:
+    def pooling(self, events) -> Pooling:
+        """How a graph with slot ``events`` (`passes.slots`) pools its fetches: per kind, slots per size class
+        or shared by the kind (sized to its largest streamed group), whichever the kind's first graph needed
+        less of; the decision then holds for the runtime's later graphs (their slots are of the same pool)."""
+        pooling, self._shared_kinds = choose_pooling(events, self.size_class_of, self.kind_capacity,
+                                                     self._shared_kinds)
+        return pooling
+
+    def size_class_of(self, group: int) -> tuple:
+        return size_class(self.groups[group])
+
+    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling: Pooling) -> None:
         """Bind each fetch key to its pool slot: ``assignment`` maps key -> (group, slot index within the
-        group's size class), as the slot pass planned it; the pool grows to hold every slot named."""
+        group's slot class under ``pooling``), as the slot pass planned it; the pool grows to hold every slot
+        named."""
         for key, (group, index) in assignment.items():
-            self._slot_of[key] = self.pool.reserve(size_class(self.groups[group]), index + 1)[index]
+            cls = pooling.slot_class(group)
+            self._slot_of[key] = self.pool.reserve(cls, index + 1, pooling.slot_size(cls))[index]
 
     def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
         """Record a fused transfer of a compiled graph (`passes.fuse`): the evicts and prefetches of ``steps``
@@ -245,7 +262,7 @@ class TransferEngine:
             self._vacate(slot)
         self._copy_into(slot, group)
         slot.group = group.index
-        self.ledger.occupy(slot.nbytes)
+        self.ledger.occupy(group.nbytes)  # the copy's bytes: a shared slot may be larger (the pool counts it)
         self.bytes_transferred += group.nbytes
         self.fetch_count += 1
         if group.index in self.expert_groups:
@@ -255,7 +272,7 @@ class TransferEngine:
     def _copy_into(self, slot: DeviceSlot, group: Group) -> None:
         """The copy itself: on the copy stream on an accelerator, else here (`benchmarks/decode.py --decompose`
         times calls without it)."""
-        buffers = slot.buffers
+        buffers = slot.buffers_for(group)
         if slot.ready is not None:
             self._copy_on_stream(slot, group)
             return
@@ -289,10 +306,10 @@ class TransferEngine:
     def _send(self, slot: DeviceSlot, group: Group, stream) -> None:
         """The copies into the slot on the copy stream, from the group's host buffers (a bucket on disk: from the
         slot's staging buffer, read already); compute waits on ``ready``."""
-        sources = [slot.staging(i, self.host.pinned) if bucket.file is not None else bucket.source()
+        sources = [slot.staging(i, self.host.pinned)[:bucket.numel] if bucket.file is not None else bucket.source()
                    for i, bucket in enumerate(group.buckets)]
         with self.streams.on(stream):
-            for buf, source in zip(slot.buffers, sources):
+            for buf, source in zip(slot.buffers_for(group), sources):
                 buf.copy_(source, non_blocking=True)
         slot.ready.record(stream)
 
@@ -305,7 +322,7 @@ class TransferEngine:
                                  f"from the staging buffer without reading the file again. Capture a model without "
                                  f"host_budget_gb, or run this one eagerly")
         slot.ready.synchronize()
-        staging = [slot.staging(i, self.host.pinned) if bucket.file is not None else None
+        staging = [slot.staging(i, self.host.pinned)[:bucket.numel] if bucket.file is not None else None
                    for i, bucket in enumerate(group.buckets)]
         self.disk_bytes_read += sum(buffer.nbytes for buffer in staging if buffer is not None)
         slot.pending = self.copier.submit(lambda: _read_staged(staging, group))
@@ -335,8 +352,8 @@ class TransferEngine:
         if slot.pending is not None:  # a fill still in flight: done before the slot is refilled or dropped
             future, slot.pending, slot.unsent = slot.pending, None, None
             concurrent.futures.wait([future])  # its error goes with the copy
+        self.ledger.release(self.groups[slot.group].nbytes)
         slot.group = None
-        self.ledger.release(slot.nbytes)
         if slot.free is not None:
             slot.free.record(self.streams.compute())
 
@@ -418,7 +435,8 @@ class TransferEngine:
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
         """The group's slot, ready for compute: its flat buffers (the same tensors every call)."""
-        return self._wait(key, group).buffers
+        slot = self._wait(key, group)
+        return slot.buffers_for(self.groups[slot.group])
 
     def wait_weights(self, key: int, group: int) -> tuple[torch.Tensor, ...]:
         """As `wait`, but the group's weights themselves (made over the slot once): the eager path."""
