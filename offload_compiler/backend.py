@@ -23,7 +23,7 @@ from .passes.analysis import RoutedRead, collect_uses, routed_reads, weight_inpu
 from .passes.routed import route_reads
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
-from .passes.slots import plan_slots, pool_bytes, slot_events
+from .passes.slots import pool_bytes, slot_events
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .host_masters import OnDemand, replace_tensors, with_host_masters
@@ -139,12 +139,12 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     verified = verify(rewritten.graph_module, weights, group_bytes)
     events = slot_events(rewritten.graph_module)
     pooling = runtime.transfers.pooling(events)
-    slots = plan_slots(events, pooling.slot_class)
-    runtime.plan_slots(slots, pooling)
+    slots, sizes = pooling.plan(events, runtime.pool.sizes())
+    runtime.plan_slots(slots, pooling, sizes)
     routed_slots = runtime.transfers.plan_routed([r for rs in routed.values() for r in rs])
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(
         schedule, verified, len(gm.graph.nodes), rewritten.carry_keys,
-        pool_bytes(slots, pooling) + routed_slots,
+        pool_bytes(slots, pooling.slot_class, sizes) + routed_slots,
         tuple(r for rs in routed.values() for r in rs))
 
 

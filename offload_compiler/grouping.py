@@ -545,7 +545,7 @@ def peak_estimate(groups: Iterable, prefetch: int) -> int:
     prefetch that does not happen: at most prefetch + 1 groups still (the last ones and the first ones, the
     cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
     it is waited for (no group's use spans another's)."""
-    from .passes.slots import class_bytes, kind_capacities, slot_kind  # the runtime imports this module
+    from .passes.slots import class_bytes, slot_kind  # the runtime imports this module
     groups = list(groups)
     classes = [_size_class_of(g) for g in groups if g.streamed]
     window = prefetch + 1
@@ -553,9 +553,9 @@ def peak_estimate(groups: Iterable, prefetch: int) -> int:
     for cls in set(classes):
         by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + min(classes.count(cls), window) * class_bytes(cls)
     slots = 0
-    for kind, capacity in kind_capacities(classes).items():  # or shared by the kind, whichever is smaller
-        shared = min(sum(slot_kind(c) == kind for c in classes), window) * class_bytes(capacity)
-        slots += min(by_class[kind], shared)
+    for kind, nbytes in by_class.items():  # or shared by the kind (at most its window's largest), if smaller
+        largest = sorted((class_bytes(c) for c in classes if slot_kind(c) == kind), reverse=True)
+        slots += min(nbytes, sum(largest[:window]))
     return sum(g.nbytes for g in groups if not g.streamed) + slots
 
 

@@ -11,7 +11,7 @@ a carried copy's slot is kept free for it when another is free, and kept for it 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch.fx as fx
 
@@ -71,24 +71,53 @@ class _Conflict(Exception):
         self.key = key
 
 
-def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]) -> dict[int, tuple[int, int]]:
-    count: dict[tuple, int] = {}
-    free: dict[tuple, set[int]] = {}
+Sizes = dict[tuple, list[tuple]]  # slot class -> each slot's (numel, dtype) per buffer, by index
+
+
+def _fits(size: tuple, need: tuple) -> bool:
+    return all(numel >= wanted for (numel, _), (wanted, _) in zip(size, need))
+
+
+def _grown(size: tuple | None, need: tuple) -> tuple:
+    return need if size is None else tuple((max(a, b), dtype) for (a, dtype), (b, _) in zip(size, need))
+
+
+def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int],
+           size_of: Callable[[int], tuple], fixed: Sizes) -> tuple[dict[int, tuple[int, int]], Sizes]:
+    sizes: Sizes = {cls: list(had) for cls, had in fixed.items()}
+    free: dict[tuple, set[int]] = {cls: set(range(len(had))) for cls, had in fixed.items()}  # earlier graphs'
     assigned: dict[int, tuple[int, int]] = {}
     awaiting_carry: dict[tuple, set[int]] = {}  # slots of carried copies whose carry is still ahead
     kept: dict[tuple, set[int]] = {}  # slots of dedicated carried keys: nobody else's
 
-    def new_slot(cls: tuple) -> int:
-        count[cls] = count.get(cls, 0) + 1
-        return count[cls] - 1
+    def place(cls: tuple, candidates: set[int], group: int) -> int:
+        """Best fit: the smallest candidate the copy fits in; else the largest one planned by this graph,
+        grown (never more bytes than a new slot; an earlier graph's slot may be allocated: it never grows);
+        else a new slot. Slots of one size class all fit: the lowest index, as a plain colouring."""
+        need, had, planned_before = size_of(group), sizes.setdefault(cls, []), len(fixed.get(cls, ()))
+        fitting = [i for i in candidates if had[i] is not None and _fits(had[i], need)]
+        growable = [i for i in candidates if i >= planned_before]
+        if fitting:
+            index = min(fitting, key=lambda i: (class_bytes(had[i]), i))
+        elif growable:
+            index = max(growable, key=lambda i: (class_bytes(had[i] or ()), -i))
+        else:
+            had.append(None)
+            index = len(had) - 1
+        if index >= planned_before:
+            had[index] = _grown(had[index], need)
+        return index
 
     for _, key, group, mode in events:  # carried copies are in their slots when the graph starts
         if mode == ADOPT and key not in assigned:
             cls = class_of(group)
-            assigned[key] = (group, new_slot(cls))
-            awaiting_carry.setdefault(cls, set()).add(assigned[key][1])
+            available = free.setdefault(cls, set())
+            index = place(cls, available - awaiting_carry.get(cls, set()), group)
+            available.discard(index)
+            assigned[key] = (group, index)
+            awaiting_carry.setdefault(cls, set()).add(index)
             if key in dedicated:
-                kept.setdefault(cls, set()).add(assigned[key][1])
+                kept.setdefault(cls, set()).add(index)
     for kind, key, group, mode in events:
         cls = class_of(group)
         available = free.setdefault(cls, set())
@@ -103,33 +132,34 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
         elif key not in assigned:
             usable = available - kept.get(cls, set())
             preferred = usable - awaiting_carry.get(cls, set())
-            index = min(preferred or usable) if usable else new_slot(cls)
+            index = place(cls, preferred or usable, group)
             available.discard(index)
             assigned[key] = (group, index)
-    return assigned
+    return assigned, sizes
 
 
 def assign_slots(gm: fx.GraphModule, class_of: Callable[[int], tuple]) -> dict[int, tuple[int, int]]:
-    """fetch key -> (group, slot index within its group's slot class)."""
+    """fetch key -> (group, slot index within its group's size class)."""
     return plan_slots(slot_events(gm), class_of)
 
 
-def plan_slots(events: Events, class_of: Callable[[int], tuple]) -> dict[int, tuple[int, int]]:
+def plan_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple] | None = None,
+               fixed: Sizes | None = None) -> dict[int, tuple[int, int]]:
+    """fetch key -> (group, slot index within its slot class). ``size_of``: each group's size class where the
+    slots of one class may hold groups of several sizes (a kind's shared slots); ``fixed``: the slots earlier
+    graphs planned (class -> their sizes), never grown."""
+    return sized_slots(events, class_of, size_of, fixed)[0]
+
+
+def sized_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple] | None = None,
+                fixed: Sizes | None = None) -> tuple[dict[int, tuple[int, int]], Sizes]:
+    """`plan_slots` and the size of each slot of each class: the largest group it holds, buffer by buffer."""
     dedicated: set[int] = set()
     while True:
         try:
-            return _color(events, class_of, dedicated)
+            return _color(events, class_of, dedicated, size_of or class_of, fixed or {})
         except _Conflict as conflict:  # at most once per carried key
             dedicated.add(conflict.key)
-
-
-def slot_counts(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple]) -> dict[tuple, int]:
-    """Slot class -> how many slots of it a graph's fetches use (`DevicePool.reserve` grows to it)."""
-    counts: dict[tuple, int] = {}
-    for group, index in assignment.values():
-        cls = class_of(group)
-        counts[cls] = max(counts.get(cls, 0), index + 1)
-    return counts
 
 
 def class_bytes(size_class: tuple) -> int:
@@ -137,35 +167,35 @@ def class_bytes(size_class: tuple) -> int:
     return sum(numel * dtype.itemsize for numel, dtype in size_class)
 
 
+def sizes_bytes(sizes: Sizes) -> int:
+    return sum(class_bytes(size) for had in sizes.values() for size in had if size is not None)
+
+
+def pool_bytes(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple], sizes: Sizes) -> int:
+    """Bytes of the distinct slots a graph's fetches land in (``sizes``: each slot's, `sized_slots`)."""
+    return sum(class_bytes(sizes[cls][index])
+               for cls, index in {(class_of(group), index) for group, index in assignment.values()})
+
+
 # -- pooling: which groups share slots ---------------------------------------------------------------------
-# A slot holds a group of its size class, or any group of its *kind* (the same bucket dtypes in the same order)
-# whose buckets are each no larger than the slot's: the group's weights are views over the prefix of its
-# buffers. Slots per size class waste nothing per copy but hold prefetch + 1 copies for every class (a model
-# whose blocks differ slightly: T5's first layers, decoder layers with cross-attention); slots shared by a
-# kind hold prefetch + 1 copies in all, each the kind's largest. Per kind, the smaller pool wins.
+# A slot holds a group of its size class, or, shared by a *kind* (the same bucket dtypes in the same order), any
+# group of that kind whose buckets are each no larger than the slot's: the group's weights are views over the
+# prefix of its buffers, and each shared slot is sized to the largest group the colouring puts in it. Slots per
+# size class hold up to prefetch + 1 copies for every class (a model whose blocks differ slightly: T5's first
+# layers, decoder layers with cross-attention); shared slots hold that many in all. Per kind, the smaller wins.
+
+SHARED = "shared"  # marks the slot class of a kind's shared slots (a size class starts with a (numel, dtype))
+
 
 def slot_kind(size_class: tuple) -> tuple:
     return tuple(dtype for _, dtype in size_class)
 
 
-def kind_capacities(size_classes: Iterable[tuple]) -> dict[tuple, tuple]:
-    """Kind -> the slot any of ``size_classes`` of that kind fits in: each bucket's largest size. Known from
-    the streamed groups alone (a runtime's, when it is built), so a slot's size is fixed before any graph is
-    planned: a later graph's fetch never needs a larger one than a slot already allocated."""
-    capacity: dict[tuple, tuple] = {}
-    for cls in size_classes:
-        kind = slot_kind(cls)
-        had = capacity.get(kind)
-        capacity[kind] = cls if had is None else tuple((max(a, b), dtype) for (a, dtype), (b, _) in zip(had, cls))
-    return capacity
-
-
 @dataclasses.dataclass(frozen=True)
 class Pooling:
-    """How a runtime's groups share device slots: ``size_class`` of a group, the slot each kind's groups
-    share (``capacity``), and the kinds that share it (``shared``; the others get slots per size class)."""
+    """How a runtime's groups share device slots: ``size_class`` of a group, and the kinds whose groups share
+    slots (``shared``; the others' slots are per size class)."""
     size_class: Callable[[int], tuple]
-    capacity: dict[tuple, tuple]
     shared: frozenset[tuple] = frozenset()
 
     def slot_class(self, group: int) -> tuple:
@@ -174,46 +204,41 @@ class Pooling:
         kind = slot_kind(cls)
         return (SHARED, kind) if kind in self.shared else cls
 
-    def slot_size(self, slot_class: tuple) -> tuple:
-        """The (numel, dtype) of each buffer of a slot of ``slot_class``."""
-        return self.capacity[slot_class[1]] if slot_class[:1] == (SHARED,) else slot_class
+    def plan(self, events: Events, fixed: Sizes | None = None) -> tuple[dict[int, tuple[int, int]], Sizes]:
+        return sized_slots(events, self.slot_class, self.size_class, fixed)
 
 
-SHARED = "shared"  # marks a slot class of a kind's shared slots (a size class starts with a (numel, dtype))
+def kind_of_slot_class(slot_class: tuple) -> tuple:
+    return slot_class[1] if slot_class[:1] == (SHARED,) else slot_kind(slot_class)
 
 
-def pool_bytes(assignment: dict[int, tuple[int, int]], pooling: Pooling) -> int:
-    """Bytes of the distinct slots a graph's fetches use: device memory held from its first call on."""
-    return sum(count * class_bytes(pooling.slot_size(cls))
-               for cls, count in slot_counts(assignment, pooling.slot_class).items())
-
-
-def _bytes_per_kind(assignment: dict[int, tuple[int, int]], pooling: Pooling) -> dict[tuple, int]:
+def _bytes_per_kind(sizes: Sizes) -> dict[tuple, int]:
     per_kind: dict[tuple, int] = {}
-    for cls, count in slot_counts(assignment, pooling.slot_class).items():
-        size = pooling.slot_size(cls)
-        per_kind[slot_kind(size)] = per_kind.get(slot_kind(size), 0) + count * class_bytes(size)
+    for cls, had in sizes.items():
+        kind = kind_of_slot_class(cls)
+        per_kind[kind] = per_kind.get(kind, 0) + sum(class_bytes(size) for size in had if size is not None)
     return per_kind
 
 
-def choose_pooling(events: Events, size_class: Callable[[int], tuple], capacity: dict[tuple, tuple],
-                   decided: dict[tuple, bool] | None = None) -> tuple[Pooling, dict[tuple, bool]]:
+def choose_pooling(events: Events, size_class: Callable[[int], tuple], decided: dict[tuple, bool] | None = None,
+                   fixed: Sizes | None = None) -> tuple[Pooling, dict[tuple, bool]]:
     """Per kind the smaller pool for ``events``: slots per size class, or shared by the kind. A kind an earlier
     graph of the runtime ``decided`` keeps its decision (its slots may be allocated). Returns the pooling and
     every kind's decision (``decided`` and the new ones). Deterministic: ties go to slots per size class."""
     decided = dict(decided or {})
-    by_class = _bytes_per_kind(plan_slots(events, size_class), Pooling(size_class, capacity))
-    all_shared = Pooling(size_class, capacity, frozenset(capacity))
-    by_kind = _bytes_per_kind(plan_slots(events, all_shared.slot_class), all_shared)
-    for kind, nbytes in by_class.items():
-        decided.setdefault(kind, by_kind.get(kind, nbytes) < nbytes)
-    return Pooling(size_class, capacity, frozenset(k for k, shared in decided.items() if shared)), decided
+    by_class = _bytes_per_kind(Pooling(size_class).plan(events, fixed)[1])
+    everything = frozenset(slot_kind(size_class(group)) for _, _, group, _ in events)
+    by_kind = _bytes_per_kind(Pooling(size_class, everything).plan(events, fixed)[1])
+    for kind in everything:
+        decided.setdefault(kind, by_kind.get(kind, 0) < by_class.get(kind, 0))
+    return Pooling(size_class, frozenset(k for k, shared in decided.items() if shared)), decided
 
 
-def schedule_pool_bytes(schedule: Schedule, size_class: Callable[[int], tuple], capacity: dict[tuple, tuple],
-                        parked: frozenset[int] = frozenset(), decided: dict[tuple, bool] | None = None) -> int:
-    """Bytes of the device slots ``schedule``'s fetches land in, as the backend pools and colours them: what a
-    graph rewritten for it holds (the planner's and the backend's number, one function)."""
+def schedule_pool_bytes(schedule: Schedule, size_class: Callable[[int], tuple],
+                        parked: frozenset[int] = frozenset()) -> int:
+    """Bytes of the device slots ``schedule``'s fetches land in, as the backend pools and colours the first
+    graph of a runtime: what a graph rewritten for it holds (the planner's and the backend's number, one
+    function)."""
     events = schedule_slot_events(schedule, parked)
-    pooling, _ = choose_pooling(events, size_class, capacity, decided)
-    return pool_bytes(plan_slots(events, pooling.slot_class), pooling)
+    pooling, _ = choose_pooling(events, size_class)
+    return sizes_bytes(pooling.plan(events)[1])

@@ -31,7 +31,7 @@ from typing import Iterable
 import torch
 
 from ..passes.schedule import Schedule, Use, build_schedule
-from ..passes.slots import kind_capacities, schedule_pool_bytes
+from ..passes.slots import schedule_pool_bytes
 from ..runtime.disk import beyond_budget
 
 GIB = 1 << 30
@@ -85,12 +85,6 @@ class CostTable:
     def routed_slot_bytes(self, resident: frozenset[int]) -> int:
         """The routed slots of the routed groups not kept resident (reads of one key share a slot)."""
         return sum({key: nbytes for g, key, nbytes in self.routed if g not in resident}.values())
-
-    def kind_capacity(self, resident: frozenset[int]) -> dict[tuple, tuple]:
-        """The slot each kind's streamed groups can share (`passes.slots.kind_capacities`), as the runtime of a
-        plan keeping ``resident`` on the device sizes it: over every group it streams (all the others with
-        bytes, `auto.planned_specs`)."""
-        return kind_capacities(g.slot_class for i, g in enumerate(self.groups) if i not in resident and g.nbytes)
 
     def streamed_bytes(self, group: int) -> int:
         """The least device memory streaming ``group`` holds: its copy's slot, or a routed group's row slots."""
@@ -199,7 +193,7 @@ def predict(table: CostTable, choice: Choice) -> Prediction:
     schedule = schedule_for(table, choice)
     used = set(table.used_groups)
     resident_bytes = sum(table.groups[g].nbytes for g in choice.resident & used)
-    slots = (schedule_pool_bytes(schedule, lambda g: table.groups[g].slot_class, table.kind_capacity(choice.resident))
+    slots = (schedule_pool_bytes(schedule, lambda g: table.groups[g].slot_class)
              + table.routed_slot_bytes(choice.resident))
     disk = table.on_disk(choice.resident)
     time_s = math.inf if disk is None else table.call_overhead_s + _replay(table, schedule, disk=disk)

@@ -165,9 +165,9 @@ class OffloadRuntime:
     def new_fetch_key(self) -> int:
         return self.transfers.new_fetch_key()
 
-    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling) -> None:
+    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling, sizes) -> None:
         """See `TransferEngine.plan_slots`."""
-        self.transfers.plan_slots(assignment, pooling)
+        self.transfers.plan_slots(assignment, pooling, sizes)
 
     def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
         """See `TransferEngine.plan_transfer`."""

@@ -127,17 +127,20 @@ class DevicePool:
         self.streams = streams
         self.slots: dict[tuple, list[DeviceSlot]] = {}
 
-    def reserve(self, slot_class: tuple, count: int, size: tuple | None = None) -> list[DeviceSlot]:
-        """At least ``count`` slots of ``slot_class`` (a size class, or a kind's shared slots: `passes.slots`),
-        each of ``size`` ((numel, dtype) per buffer; the size class itself by default)."""
-        size = slot_class if size is None else size
+    def reserve(self, slot_class: tuple, sizes: list[tuple]) -> list[DeviceSlot]:
+        """The slots of ``slot_class`` (a size class, or a kind's shared slots: `passes.slots.Pooling`), one of
+        each size in ``sizes`` ((numel, dtype) per buffer) by index; those planned before keep theirs."""
         slots = self.slots.setdefault(slot_class, [])
-        while len(slots) < count:
-            slots.append(DeviceSlot(size, self.device, len(slots), self.streams))
-        for slot in slots:  # a kind's slot size is fixed when its runtime is built: a planning bug otherwise
-            if slot.size_class != size:
-                raise AssertionError(f"device slot {slot.index} of {slot_class} is {slot.size_class}, not {size}")
+        for index, size in enumerate(sizes):
+            if index == len(slots):
+                slots.append(DeviceSlot(size, self.device, index, self.streams))
+            elif slots[index].size_class != size:  # the colouring never grows a planned slot: a planning bug
+                raise AssertionError(f"device slot {index} of {slot_class} is {slots[index].size_class}, not {size}")
         return slots
+
+    def sizes(self) -> dict[tuple, list[tuple]]:
+        """Each slot's size, per slot class: what a later graph's colouring must fit in (`passes.slots`)."""
+        return {cls: [slot.size_class for slot in slots] for cls, slots in self.slots.items()}
 
     def clear(self) -> None:
         """Forget every slot (the runtime unpacked): their memory goes with the last reference."""

@@ -70,6 +70,15 @@ class OffloadStats:
                 f"{mib(self.peak_resident_bytes)}{carried}")
 
 
+def _slot_sizes(pool) -> dict[int, int]:
+    """Slot bytes -> how many slots of that size, in the pool's order (a kind's shared slots may differ)."""
+    counts: dict[int, int] = {}
+    for slots in pool.slots.values():
+        for slot in slots:
+            counts[slot.nbytes] = counts.get(slot.nbytes, 0) + 1
+    return counts
+
+
 def held_pool_bytes(runtime) -> int:
     """The device slots a runtime's compiled graphs planned (`DevicePool`, each slot of its size class) and its
     routed fetches' slots: allocated at the first call, held until the runtime goes."""
@@ -110,7 +119,7 @@ def describe(runtime) -> str:
     pool = runtime.pool
     if pool.slots:
         lines.append(f"  device pool {mib(pool.nbytes)}: "
-                     + ", ".join(f"{len(slots)} x {readable_bytes(slots[0].nbytes)}" for slots in pool.slots.values()))
+                     + ", ".join(f"{count} x {readable_bytes(nbytes)}" for nbytes, count in _slot_sizes(pool).items()))
     resident = sum(g.nbytes for g in runtime.groups if not g.streamed)
     total, unmanaged = runtime.total_bytes, runtime.unmanaged_bytes
     lines.append(f"  total {mib(total + unmanaged)}: {mib(resident)} resident, {mib(total - resident)} streamed"

@@ -22,7 +22,7 @@ from .copier import CopyWorker
 from .device import DeviceStreams
 from .host import HostStore, stamp
 from .layout import Group
-from ..passes.slots import Pooling, choose_pooling, kind_capacities
+from ..passes.slots import Pooling, choose_pooling
 from .slots import DevicePool, DeviceSlot, Ledger, size_class
 
 CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
@@ -110,8 +110,6 @@ class TransferEngine:
         self.expert_bytes = 0  # of bytes_transferred, expert weights moved: whole fetches and routed ones
         self._routed_slots: dict[tuple, torch.Tensor] = {}  # (expert shape, dtype, bound) -> its fixed slot
         self.pool = DevicePool(device, streams)
-        # the slot each kind's groups can share (`passes.slots.Pooling`): fixed now, before any slot allocates
-        self.kind_capacity = kind_capacities(size_class(g) for g in self.groups if g.streamed)
         self._shared_kinds: dict[tuple, bool] = {}  # kind -> its groups share slots (decided by its first graph)
         self.copier = CopyWorker()  # disk reads beside compute (see `copier`): its thread starts at the first read
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
@@ -133,22 +131,24 @@ class TransferEngine:
 
     def pooling(self, events) -> Pooling:
         """How a graph with slot ``events`` (`passes.slots`) pools its fetches: per kind, slots per size class
-        or shared by the kind (sized to its largest streamed group), whichever the kind's first graph needed
-        less of; the decision then holds for the runtime's later graphs (their slots are of the same pool)."""
-        pooling, self._shared_kinds = choose_pooling(events, self.size_class_of, self.kind_capacity,
-                                                     self._shared_kinds)
+        or shared by the kind, whichever the kind's first graph needed less of; the decision then holds for the
+        runtime's later graphs (their slots are of the same pool)."""
+        pooling, self._shared_kinds = choose_pooling(events, self.size_class_of, self._shared_kinds,
+                                                     self.pool.sizes())
         return pooling
 
     def size_class_of(self, group: int) -> tuple:
         return size_class(self.groups[group])
 
-    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling: Pooling) -> None:
+    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling: Pooling, sizes) -> None:
         """Bind each fetch key to its pool slot: ``assignment`` maps key -> (group, slot index within the
-        group's slot class under ``pooling``), as the slot pass planned it; the pool grows to hold every slot
-        named."""
+        group's slot class under ``pooling``), as the slot pass planned it, with ``sizes`` each slot's size
+        (`passes.slots.sized_slots`: the slots earlier graphs planned are among them, unchanged); the pool grows
+        to hold every slot named."""
+        for cls, had in sizes.items():
+            self.pool.reserve(cls, had)
         for key, (group, index) in assignment.items():
-            cls = pooling.slot_class(group)
-            self._slot_of[key] = self.pool.reserve(cls, index + 1, pooling.slot_size(cls))[index]
+            self._slot_of[key] = self.pool.slots[pooling.slot_class(group)][index]
 
     def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
         """Record a fused transfer of a compiled graph (`passes.fuse`): the evicts and prefetches of ``steps``
