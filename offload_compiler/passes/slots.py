@@ -95,6 +95,8 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
         grown (never more bytes than a new slot; an earlier graph's slot may be allocated: it never grows);
         else a new slot. Slots of one size class all fit: the lowest index, as a plain colouring."""
         need, had, planned_before = size_of(group), sizes.setdefault(cls, []), len(fixed.get(cls, ()))
+        if size_of is class_of and candidates:  # one size per class: a plain colouring
+            return min(candidates)
         fitting = [i for i in candidates if had[i] is not None and _fits(had[i], need)]
         growable = [i for i in candidates if i >= planned_before]
         if fitting:
