@@ -131,7 +131,7 @@ def _saving_line(runtime: OffloadRuntime) -> str | None:
         return None
     nbytes, verified = peak
     how = (f"held from the first call on: {held_pool_bytes(runtime) / 2**20:.3f} MiB of device slots, planned over "
-           f"the captured graphs" if verified else "estimated before the first call: resident groups + up to "
+           f"the verified graphs" if verified else "estimated before the first call: resident groups + up to "
            "prefetch+1 device slots of each group size")
     return (f"  device weight peak {nbytes / 2**20:.3f} MiB of {total / 2**20:.3f} MiB: {nbytes / total:.0%} of the "
             f"model ({how})")
