@@ -87,6 +87,7 @@ def test_the_estimate_before_the_first_call_is_the_verified_cyclic_window(prefet
     runtime = m._offload_runtime
     in_flight = max(p.verified.peak_bytes for p in runtime.graph_plans) + runtime.unmanaged_bytes
     assert verified[1] and in_flight == estimate[0] <= verified[0] == held_device_weight_bytes(runtime)
+    assert plan_summary(m)["saving"]["device_weight_peak_bytes"] == verified[0]
     warned = any(issubclass(w.category, OffloadSavingWarning) for w in record)
     total = runtime.total_bytes + runtime.unmanaged_bytes
     assert warned == (estimate[0] > 0.5 * total) == (prefetch == 2)
