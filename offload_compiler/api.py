@@ -22,6 +22,7 @@ from .offloaded import (OffloadState, OffloadedModule, add_method, install_outpu
                         offload_pipeline, PipelineModules, refuse_other_offloaders, state_of)
 from .policy import OffloadPolicy, spelled, warn_user
 from .runtime import OffloadRuntime, OffloadStats
+from .runtime.stats import held_device_weight_bytes, held_pool_bytes
 from .storage import FilledBuckets
 
 __all__ = ["OffloadedModule", "offload_compile", "offload_stats", "reset_offload_stats", "release_device_copies",
@@ -137,16 +138,13 @@ def _check_saving(model: nn.Module, policy: OffloadPolicy) -> None:
 
 
 def device_weight_peak(runtime: OffloadRuntime) -> tuple[int, bool] | None:
-    """Peak bytes of weights on the device, those kept there included: the verifier's over the captured graphs
-    (True), else, for a block strategy before its first call, `peak_estimate` (False); None otherwise. A resident
-    group stays on the device once copied, whichever graph read it (a pipeline's text encoders while its
-    transformer's graph streams): the peak is the largest streamed peak of a graph plus the resident groups of
-    every graph."""
-    plans = runtime.graph_plans
-    if plans:
-        resident = set().union(*(p.verified.resident_groups for p in plans))
-        return (max(p.verified.streamed_peak_bytes for p in plans) + sum(runtime.groups[g].nbytes for g in resident)
-                + runtime.unmanaged_bytes, True)
+    """Device memory the plan holds for weights, those kept there included (`held_device_weight_bytes`: its
+    device slots, allocated whole at the first call and held after it, the resident groups its graphs read and
+    the weights outside the groups) once graphs are compiled (True); else, for a block strategy before its first
+    call, `peak_estimate` (False); None otherwise. Not the ledger's peak: that counts a slot only while a copy
+    fills it, and the device holds every slot of the pool between calls too."""
+    if runtime.graph_plans:
+        return held_device_weight_bytes(runtime), True
     if runtime.policy.strategy not in BLOCK_STRATEGIES:
         return None
     policy = runtime.policy
@@ -159,8 +157,9 @@ def _saving_line(runtime: OffloadRuntime) -> str | None:
     if peak is None or not total:
         return None
     nbytes, verified = peak
-    how = ("verified over the captured graphs" if verified else
-           "estimated before the first call: resident groups + the prefetch+1 largest streamed ones")
+    how = (f"held from the first call on: {held_pool_bytes(runtime) / 2**20:.3f} MiB of device slots, planned over "
+           f"the verified graphs" if verified else "estimated before the first call: resident groups + up to "
+           "prefetch+1 device slots of each group size")
     return (f"  device weight peak {nbytes / 2**20:.3f} MiB of {total / 2**20:.3f} MiB: {nbytes / total:.0%} of the "
             f"model ({how})")
 
@@ -261,7 +260,8 @@ def runtime_plan_dict(runtime: OffloadRuntime) -> dict[str, Any]:
     peak = device_weight_peak(runtime)
     total = runtime.total_bytes + runtime.unmanaged_bytes
     saving = None if peak is None else {"device_weight_peak_bytes": peak[0],
-                                        "share_of_model": peak[0] / total if total else None, "verified": peak[1]}
+                                        "share_of_model": peak[0] / total if total else None, "verified": peak[1],
+                                        "pool_bytes": held_pool_bytes(runtime) if peak[1] else None}
     return {"model": runtime.model_name, "strategy": policy.strategy, "device": str(runtime.device),
             "prefetch": policy.prefetch, "prefetch_next_call": policy.prefetch_next_call,
             "compiler": policy.compiler, "pinned": runtime.pinned, "planned": True, "groups": groups,

@@ -23,11 +23,11 @@ from .passes.analysis import RoutedRead, collect_uses, routed_reads, weight_inpu
 from .passes.routed import route_reads
 from .passes.insert import insert_transfers
 from .passes.schedule import Schedule, build_schedule
-from .passes.slots import assign_slots, pool_bytes
+from .passes.slots import pool_bytes, slot_events
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .host_masters import OnDemand, replace_tensors, with_host_masters
-from .runtime import OffloadRuntime, size_class
+from .runtime import OffloadRuntime
 from .storage import FilledBuckets
 
 OFFLOAD_ENDED = ("this offload has ended: remove_offload() gave the model back; offload it again with "
@@ -132,18 +132,19 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     schedule = build_schedule(uses, 0 if alternating else policy.prefetch, carry=policy.prefetch_next_call,
                               read_ahead=on_disk)
     resident = {w.group for w in weights.values()} - streamed
+    parked = _parked_instance(schedule, runtime)
     rewritten = insert_transfers(gm, weights, schedule, reads, resident, runtime.id, runtime.layout,
-                                 runtime.new_fetch_key, _parked_instance(schedule, runtime),
-                                 materialize_readers=policy.compiler == "inductor")
+                                 runtime.new_fetch_key, parked, materialize_readers=policy.compiler == "inductor")
     group_bytes = {g.index: g.nbytes for g in runtime.groups}
     verified = verify(rewritten.graph_module, weights, group_bytes)
-    class_of = lambda group: size_class(runtime.groups[group])  # noqa: E731
-    slots = assign_slots(rewritten.graph_module, class_of)
-    runtime.plan_slots(slots)
+    events = slot_events(rewritten.graph_module)
+    pooling = runtime.transfers.pooling(events)
+    slots, sizes = pooling.plan(events, runtime.pool.sizes())
+    runtime.plan_slots(slots, pooling, sizes)
     routed_slots = runtime.transfers.plan_routed([r for rs in routed.values() for r in rs])
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(
         schedule, verified, len(gm.graph.nodes), rewritten.carry_keys,
-        pool_bytes(slots, class_of, group_bytes) + routed_slots,
+        pool_bytes(slots, pooling.slot_class, sizes) + routed_slots,
         tuple(r for rs in routed.values() for r in rs))
 
 

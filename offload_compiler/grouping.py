@@ -532,10 +532,13 @@ BUDGET_SAVED_SHARE = 0.5
 
 
 def peak_estimate(groups: Iterable, prefetch: int) -> int:
-    """Device weight bytes a block plan (layerwise, budget) holds at once, at most, before any graph is
-    captured: the resident groups and the ``prefetch`` + 1 largest streamed ones (the group computing and those
-    fetched ahead of it). ``groups`` are `GroupSpec`s or a runtime's groups. The verifier's peak replaces it
-    once graphs exist.
+    """Device weight bytes a block plan (layerwise, budget) holds, before any graph is captured: the resident
+    groups and its device slots, allocated whole at the first call and held after it. Slots are per size class
+    (groups whose flat buffers have the same sizes and dtypes), or shared by a kind (the same dtypes; each slot
+    its largest group), whichever is smaller (`passes.slots.Pooling`); either needs as many as its copies alive
+    at once, at most ``prefetch`` + 1 (the group computing and those fetched ahead of it) and at most its
+    groups. ``groups`` are `GroupSpec`s or a runtime's groups. The planned slots replace it once graphs
+    exist.
 
     With ``prefetch_next_call`` the window is the same: the schedule (`passes.schedule._carry_points`) copies
     the next call's first group i at the wait of group n - prefetch + i, where this call has no group left to
@@ -543,9 +546,25 @@ def peak_estimate(groups: Iterable, prefetch: int) -> int:
     prefetch that does not happen: at most prefetch + 1 groups still (the last ones and the first ones, the
     cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
     it is waited for (no group's use spans another's)."""
+    from .passes.slots import class_bytes, slot_kind  # the runtime imports this module
     groups = list(groups)
-    streamed = sorted((g.nbytes for g in groups if g.streamed), reverse=True)
-    return sum(g.nbytes for g in groups if not g.streamed) + sum(streamed[:prefetch + 1])
+    classes = [_size_class_of(g) for g in groups if g.streamed]
+    window = prefetch + 1
+    by_class: dict[tuple, int] = {}  # kind -> its slots' bytes, per size class
+    for cls in set(classes):
+        by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + min(classes.count(cls), window) * class_bytes(cls)
+    slots = 0
+    for kind, nbytes in by_class.items():  # or shared by the kind (at most its window's largest), if smaller
+        largest = sorted((class_bytes(c) for c in classes if slot_kind(c) == kind), reverse=True)
+        slots += min(nbytes, sum(largest[:window]))
+    return sum(g.nbytes for g in groups if not g.streamed) + slots
+
+
+def _size_class_of(group) -> tuple:
+    """A group's size class (`runtime.slots.size_class`): a `GroupSpec` is laid out first (no tensor data)."""
+    from .runtime.layout import layout_group  # the runtime imports this module
+    from .runtime.slots import size_class
+    return size_class(group if hasattr(group, "buckets") else layout_group(0, group))
 
 
 def _gib_at_least(nbytes: int) -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_compiler import OffloadPolicy, offload_compile, offload_stats
-from offload_compiler.passes.slots import plan_slots
+from offload_compiler.passes.slots import Pooling, choose_pooling, plan_slots, sizes_bytes
 from offload_compiler.runtime import ADOPT, CARRY, FETCH
 from offload_compiler.testing import BlockSpec, ModelSpec, build_block_model
 
@@ -93,3 +93,48 @@ def test_slot_plan_is_a_cyclic_coloring(n):
     wrapped = plan_slots(_chain(n, True), same)
     assert len({i for _, i in wrapped.values()}) == (2 if n % 2 == 0 else 3)  # an odd cycle needs a third slot
     assert wrapped[n - 1][1] != wrapped[0][1]  # the carried copy and the last group overlap
+
+
+# -- slots shared by the groups of one dtype (`passes.slots.Pooling`) ----------------------------------------
+
+F32 = torch.float32
+
+
+def _one_at_a_time(groups: list[int]) -> list:
+    """Each group fetched, waited for and evicted before the next: one slot at a time."""
+    events = []
+    for key, group in enumerate(groups):
+        events += [("take", key, group, FETCH), ("take", key, group, -1), ("give", key, group, -1)]
+    return events
+
+
+def test_groups_of_one_dtype_share_slots_sized_to_the_largest_copy():
+    sizes = {0: ((100, F32),), 1: ((40, F32),), 2: ((70, F32),)}
+    pooling, decided = choose_pooling(_one_at_a_time([0, 1, 2]), sizes.__getitem__)
+    assert decided == {(F32,): True}  # one slot of 100 floats, not three of 100, 40 and 70
+    slots, planned = pooling.plan(_one_at_a_time([0, 1, 2]))
+    assert {index for _, index in slots.values()} == {0} and sizes_bytes(planned) == 400
+
+
+def test_slots_per_size_class_where_sharing_holds_more():
+    """A block copied into the head's free slot (best fit) while the head comes back: shared slots would hold
+    two heads; slots per size class hold one head and one block."""
+    sizes = {0: ((10, F32),), 2: ((1000, F32),)}
+    events = [("take", 0, 2, FETCH), ("take", 0, 2, -1), ("give", 0, 2, -1),  # the head, alone
+              ("take", 1, 0, FETCH), ("take", 1, 0, -1),  # a block, in the head's slot if shared
+              ("take", 2, 2, FETCH), ("take", 2, 2, -1), ("give", 1, 0, -1), ("give", 2, 2, -1)]
+    shared = Pooling(sizes.__getitem__, frozenset({(F32,)}))
+    assert sizes_bytes(shared.plan(events)[1]) == 4 * 2000
+    pooling, decided = choose_pooling(events, sizes.__getitem__)
+    assert decided == {(F32,): False} and sizes_bytes(pooling.plan(events)[1]) == 4 * 1010
+
+
+def test_a_later_graph_never_grows_a_slot_an_earlier_graph_planned():
+    """Slots allocate at their first fill: a later graph's larger copy gets a new slot, a smaller one fits."""
+    sizes = {0: ((40, F32),), 1: ((100, F32),), 2: ((30, F32),)}
+    pooling = Pooling(sizes.__getitem__, frozenset({(F32,)}))
+    _, first = pooling.plan(_one_at_a_time([0]))
+    assert first == {("shared", (F32,)): [((40, F32),)]}
+    slots, later = pooling.plan(_one_at_a_time([1, 2]), fixed=first)
+    assert later[("shared", (F32,))] == [((40, F32),), ((100, F32),)]  # the first slot kept its size
+    assert slots[0] == (1, 1) and slots[1] == (2, 0)  # the small copy fits the earlier slot (best fit)

@@ -10,12 +10,13 @@ a carried copy's slot is kept free for it when another is free, and kept for it 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch.fx as fx
 
 from .nodes import Evict, Prefetch, Wait, fetch_of, transfer_view
-from .schedule import ADOPT, CARRY
+from .schedule import ADOPT, CARRY, FETCH, Schedule
 
 Events = list[tuple[str, int, int, int]]  # (take | give, fetch key, group, prefetch mode or -1)
 
@@ -33,29 +34,92 @@ def slot_events(gm: fx.GraphModule) -> Events:
     return events
 
 
+def schedule_slot_events(schedule: Schedule, parked: frozenset[int] = frozenset()) -> Events:
+    """The events `slot_events` reads from the graph `passes.insert.insert_transfers` rewrites for ``schedule``,
+    from the schedule alone (the fetch key of an instance is its index), in the same order: at an instance's
+    wait, the prefetches issued there (ADOPT for a carried instance), then the carries issued there, then the
+    wait; the evicts after the node where an instance ends (a ``parked`` instance's slot is kept); the carries
+    issued after the graph's last node. The planner sizes the device pool of a candidate schedule with it
+    before any graph is rewritten."""
+    instances = schedule.instances
+    carried = schedule.carried
+    prefetched_at: dict[int, list[int]] = {}
+    for inst in instances:
+        prefetched_at.setdefault(schedule.prefetch_at[inst.index], []).append(inst.index)
+    carried_at: dict[int, list[int]] = {}
+    for index, at in schedule.carry_at:
+        carried_at.setdefault(at, []).append(index)
+    waits_at: dict[int, list[int]] = {}
+    evicts_at: dict[int, list[int]] = {}
+    for inst in instances:
+        waits_at.setdefault(inst.start, []).append(inst.index)
+        evicts_at.setdefault(inst.end, []).append(inst.index)
+    events: Events = []
+    for position in sorted(set(waits_at) | set(evicts_at)):
+        for i in waits_at.get(position, []):
+            events += [("take", a, instances[a].group, ADOPT if a in carried else FETCH)
+                       for a in prefetched_at.get(i, [])]
+            events += [("take", c, instances[c].group, CARRY) for c in carried_at.get(i, [])]
+            events.append(("take", i, instances[i].group, -1))
+        events += [("give", i, instances[i].group, -1) for i in evicts_at.get(position, []) if i not in parked]
+    events += [("take", c, instances[c].group, CARRY) for c in carried_at.get(len(instances), [])]
+    return events
+
+
 class _Conflict(Exception):
     def __init__(self, key: int) -> None:
         self.key = key
 
 
-def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]) -> dict[int, tuple[int, int]]:
-    count: dict[tuple, int] = {}
-    free: dict[tuple, set[int]] = {}
+Sizes = dict[tuple, list[tuple]]  # slot class -> each slot's (numel, dtype) per buffer, by index
+
+
+def _fits(size: tuple, need: tuple) -> bool:
+    return all(numel >= wanted for (numel, _), (wanted, _) in zip(size, need))
+
+
+def _grown(size: tuple | None, need: tuple) -> tuple:
+    return need if size is None else tuple((max(a, b), dtype) for (a, dtype), (b, _) in zip(size, need))
+
+
+def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int],
+           size_of: Callable[[int], tuple], fixed: Sizes) -> tuple[dict[int, tuple[int, int]], Sizes]:
+    sizes: Sizes = {cls: list(had) for cls, had in fixed.items()}
+    free: dict[tuple, set[int]] = {cls: set(range(len(had))) for cls, had in fixed.items()}  # earlier graphs'
     assigned: dict[int, tuple[int, int]] = {}
     awaiting_carry: dict[tuple, set[int]] = {}  # slots of carried copies whose carry is still ahead
     kept: dict[tuple, set[int]] = {}  # slots of dedicated carried keys: nobody else's
 
-    def new_slot(cls: tuple) -> int:
-        count[cls] = count.get(cls, 0) + 1
-        return count[cls] - 1
+    def place(cls: tuple, candidates: set[int], group: int) -> int:
+        """Best fit: the smallest candidate the copy fits in; else the largest one planned by this graph,
+        grown (never more bytes than a new slot; an earlier graph's slot may be allocated: it never grows);
+        else a new slot. Slots of one size class all fit: the lowest index, as a plain colouring."""
+        need, had, planned_before = size_of(group), sizes.setdefault(cls, []), len(fixed.get(cls, ()))
+        if size_of is class_of and candidates:  # one size per class: a plain colouring
+            return min(candidates)
+        fitting = [i for i in candidates if had[i] is not None and _fits(had[i], need)]
+        growable = [i for i in candidates if i >= planned_before]
+        if fitting:
+            index = min(fitting, key=lambda i: (class_bytes(had[i]), i))
+        elif growable:
+            index = max(growable, key=lambda i: (class_bytes(had[i] or ()), -i))
+        else:
+            had.append(None)
+            index = len(had) - 1
+        if index >= planned_before:
+            had[index] = _grown(had[index], need)
+        return index
 
     for _, key, group, mode in events:  # carried copies are in their slots when the graph starts
         if mode == ADOPT and key not in assigned:
             cls = class_of(group)
-            assigned[key] = (group, new_slot(cls))
-            awaiting_carry.setdefault(cls, set()).add(assigned[key][1])
+            available = free.setdefault(cls, set())
+            index = place(cls, available - awaiting_carry.get(cls, set()), group)
+            available.discard(index)
+            assigned[key] = (group, index)
+            awaiting_carry.setdefault(cls, set()).add(index)
             if key in dedicated:
-                kept.setdefault(cls, set()).add(assigned[key][1])
+                kept.setdefault(cls, set()).add(index)
     for kind, key, group, mode in events:
         cls = class_of(group)
         available = free.setdefault(cls, set())
@@ -70,10 +134,10 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
         elif key not in assigned:
             usable = available - kept.get(cls, set())
             preferred = usable - awaiting_carry.get(cls, set())
-            index = min(preferred or usable) if usable else new_slot(cls)
+            index = place(cls, preferred or usable, group)
             available.discard(index)
             assigned[key] = (group, index)
-    return assigned
+    return assigned, sizes
 
 
 def assign_slots(gm: fx.GraphModule, class_of: Callable[[int], tuple]) -> dict[int, tuple[int, int]]:
@@ -81,17 +145,102 @@ def assign_slots(gm: fx.GraphModule, class_of: Callable[[int], tuple]) -> dict[i
     return plan_slots(slot_events(gm), class_of)
 
 
-def plan_slots(events: Events, class_of: Callable[[int], tuple]) -> dict[int, tuple[int, int]]:
+def plan_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple] | None = None,
+               fixed: Sizes | None = None) -> dict[int, tuple[int, int]]:
+    """fetch key -> (group, slot index within its slot class). ``size_of``: each group's size class where the
+    slots of one class may hold groups of several sizes (a kind's shared slots); ``fixed``: the slots earlier
+    graphs planned (class -> their sizes), never grown."""
+    return sized_slots(events, class_of, size_of, fixed)[0]
+
+
+def sized_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple] | None = None,
+                fixed: Sizes | None = None) -> tuple[dict[int, tuple[int, int]], Sizes]:
+    """`plan_slots` and the size of each slot of each class: the largest group it holds, buffer by buffer."""
     dedicated: set[int] = set()
     while True:
         try:
-            return _color(events, class_of, dedicated)
+            return _color(events, class_of, dedicated, size_of or class_of, fixed or {})
         except _Conflict as conflict:  # at most once per carried key
             dedicated.add(conflict.key)
 
 
-def pool_bytes(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple],
-               group_bytes: dict[int, int]) -> int:
-    """Bytes of the distinct slots a graph's fetches use."""
-    slots = {(class_of(group), index): group_bytes[group] for group, index in assignment.values()}
-    return sum(slots.values())
+def class_bytes(size_class: tuple) -> int:
+    """Device bytes of one slot of ``size_class`` (`DeviceSlot.nbytes`)."""
+    return sum(numel * dtype.itemsize for numel, dtype in size_class)
+
+
+def sizes_bytes(sizes: Sizes) -> int:
+    return sum(class_bytes(size) for had in sizes.values() for size in had if size is not None)
+
+
+def pool_bytes(assignment: dict[int, tuple[int, int]], class_of: Callable[[int], tuple], sizes: Sizes) -> int:
+    """Bytes of the distinct slots a graph's fetches land in (``sizes``: each slot's, `sized_slots`)."""
+    return sum(class_bytes(sizes[cls][index])
+               for cls, index in {(class_of(group), index) for group, index in assignment.values()})
+
+
+# -- pooling: which groups share slots ---------------------------------------------------------------------
+# A slot holds a group of its size class, or, shared by a *kind* (the same bucket dtypes in the same order), any
+# group of that kind whose buckets are each no larger than the slot's: the group's weights are views over the
+# prefix of its buffers, and each shared slot is sized to the largest group the colouring puts in it. Slots per
+# size class hold up to prefetch + 1 copies for every class (a model whose blocks differ slightly: T5's first
+# layers, decoder layers with cross-attention); shared slots hold that many in all. Per kind, the smaller wins.
+
+SHARED = "shared"  # marks the slot class of a kind's shared slots (a size class starts with a (numel, dtype))
+
+
+def slot_kind(size_class: tuple) -> tuple:
+    return tuple(dtype for _, dtype in size_class)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pooling:
+    """How a runtime's groups share device slots: ``size_class`` of a group, and the kinds whose groups share
+    slots (``shared``; the others' slots are per size class)."""
+    size_class: Callable[[int], tuple]
+    shared: frozenset[tuple] = frozenset()
+
+    def slot_class(self, group: int) -> tuple:
+        """The key the colouring gives slots by: the group's kind where the kind shares, else its size class."""
+        cls = self.size_class(group)
+        kind = slot_kind(cls)
+        return (SHARED, kind) if kind in self.shared else cls
+
+    def plan(self, events: Events, fixed: Sizes | None = None) -> tuple[dict[int, tuple[int, int]], Sizes]:
+        return sized_slots(events, self.slot_class, self.size_class, fixed)
+
+
+def kind_of_slot_class(slot_class: tuple) -> tuple:
+    return slot_class[1] if slot_class[:1] == (SHARED,) else slot_kind(slot_class)
+
+
+def _bytes_per_kind(sizes: Sizes) -> dict[tuple, int]:
+    per_kind: dict[tuple, int] = {}
+    for cls, had in sizes.items():
+        kind = kind_of_slot_class(cls)
+        per_kind[kind] = per_kind.get(kind, 0) + sum(class_bytes(size) for size in had if size is not None)
+    return per_kind
+
+
+def choose_pooling(events: Events, size_class: Callable[[int], tuple], decided: dict[tuple, bool] | None = None,
+                   fixed: Sizes | None = None) -> tuple[Pooling, dict[tuple, bool]]:
+    """Per kind the smaller pool for ``events``: slots per size class, or shared by the kind. A kind an earlier
+    graph of the runtime ``decided`` keeps its decision (its slots may be allocated). Returns the pooling and
+    every kind's decision (``decided`` and the new ones). Deterministic: ties go to slots per size class."""
+    decided = dict(decided or {})
+    by_class = _bytes_per_kind(Pooling(size_class).plan(events, fixed)[1])
+    everything = frozenset(slot_kind(size_class(group)) for _, _, group, _ in events)
+    by_kind = _bytes_per_kind(Pooling(size_class, everything).plan(events, fixed)[1])
+    for kind in everything:
+        decided.setdefault(kind, by_kind.get(kind, 0) < by_class.get(kind, 0))
+    return Pooling(size_class, frozenset(k for k, shared in decided.items() if shared)), decided
+
+
+def schedule_pool_bytes(schedule: Schedule, size_class: Callable[[int], tuple],
+                        parked: frozenset[int] = frozenset()) -> int:
+    """Bytes of the device slots ``schedule``'s fetches land in, as the backend pools and colours the first
+    graph of a runtime: what a graph rewritten for it holds (the planner's and the backend's number, one
+    function)."""
+    events = schedule_slot_events(schedule, parked)
+    pooling, _ = choose_pooling(events, size_class)
+    return sizes_bytes(pooling.plan(events)[1])

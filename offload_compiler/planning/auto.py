@@ -200,7 +200,8 @@ class OffloadPlan:
             lines.append(f"  measured time  {ms(self.measured_median_s)} (median of {len(self.measured_s)} calls, "
                          f"{ms(low).strip()} to {ms(high).strip()}) (measured / predicted = {ratio:.2f})")
         if self.measured_peak_bytes is not None:
-            lines.append(f"  measured weights peak {mib(self.measured_peak_bytes)} (ledger)")
+            lines.append(f"  measured copies in flight at most {mib(self.measured_peak_bytes)} (the ledger's peak, "
+                         f"within the device slots the predicted weights count)")
         return "\n".join(lines)
 
     def save_plots(self, directory: str) -> list[str]:

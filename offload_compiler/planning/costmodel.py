@@ -15,8 +15,9 @@ import torch
 import torch.fx as fx
 
 from ..grouping import GroupSpec
-from ..runtime import can_pin, stream_module, synchronize
-from ..passes.analysis import _storage, _value, collect_uses, weight_inputs
+from ..runtime import can_pin, size_class, stream_module, synchronize
+from ..runtime.layout import layout_groups
+from ..passes.analysis import _storage, _value, collect_uses, routed_reads, weight_inputs
 from .planner import CostTable, GroupCost
 
 # -- device rates ---------------------------------------------------------------------------------------
@@ -196,8 +197,10 @@ def build_table(gm: fx.GraphModule, example_inputs: list, specs: list[GroupSpec]
     group_of = {id(w.tensor): (gi, si) for gi, spec in enumerate(specs) for si, w in enumerate(spec.weights)}
     weights = weight_inputs(gm, example_inputs, group_of)
     uses, _ = collect_uses(gm, weights, set(range(len(specs))))
+    routed = routed_reads(weights, set(range(len(specs))))
     return CostTable(
-        groups=tuple(GroupCost(s.name, s.nbytes, s.is_block) for s in specs),
+        groups=tuple(GroupCost(s.name, s.nbytes, s.is_block, size_class(layout))
+                     for s, layout in zip(specs, layout_groups(specs))),
         uses=tuple(uses),
         node_seconds=tuple(node_seconds(n, rates) for n in gm.graph.nodes),
         bandwidth=rates.h2d_bytes_per_s,
@@ -207,4 +210,12 @@ def build_table(gm: fx.GraphModule, example_inputs: list, specs: list[GroupSpec]
         dispatch_s=charged_nodes(gm) * rates.op_overhead_s,
         overlap=rates.overlap,
         blocks_per_group=blocks_per_group,
-        carry=carry)
+        carry=carry,
+        routed=tuple((r.group, routed_slot_key(specs[r.group].weights[r.slot].tensor, r.bound),
+                      r.bound_bytes) for reads in routed.values() for r in reads))
+
+
+def routed_slot_key(weight: torch.Tensor, bound: int) -> tuple:
+    """The key of a routed read's slot (`TransferEngine.plan_routed`): reads of one row shape, dtype and bound
+    share a slot."""
+    return tuple(weight.shape[1:]), weight.dtype, bound

@@ -4,9 +4,9 @@ A *cost table* describes one captured graph: each group's bytes, where the graph
 ``Use`` records the schedule pass works on), the predicted compute seconds of every graph position, the
 host→device bandwidth, and the activation peak. A *choice* is a set of resident groups and a prefetch depth.
 
-`predict` replays exactly what the engine would do with a choice — the same `build_schedule` and
-`peak_bytes` the backend and its verifier use — so the predicted weight peak equals the verified peak (and
-the ledger's). Time comes from a two-resource replay: compute runs position by position; each fetch is issued
+`predict` replays exactly what the engine would do with a choice — the same `build_schedule` and slot
+colouring (`passes.slots.schedule_pool_bytes`) the backend uses — so the predicted weight memory equals the
+device slots and resident groups the runtime holds (at least the ledger's peak of copies in flight). Time comes from a two-resource replay: compute runs position by position; each fetch is issued
 at the wait where the schedule issues it and either runs on a copy engine beside compute (``overlap``, an
 accelerator with a copy stream) or inline on the compute thread (CPU). Compute waits for each fetch it reads.
 
@@ -28,7 +28,10 @@ import itertools
 import math
 from typing import Iterable
 
-from ..passes.schedule import Schedule, Use, build_schedule, peak_bytes
+import torch
+
+from ..passes.schedule import Schedule, Use, build_schedule
+from ..passes.slots import schedule_pool_bytes
 from ..runtime.disk import beyond_budget
 
 GIB = 1 << 30
@@ -39,6 +42,13 @@ class GroupCost:
     name: str
     nbytes: int
     is_block: bool = False
+    # its flat buffers' (numel, dtype) (`runtime.slots.size_class`): groups of one size class share device
+    # slots; () where unknown: a class of its own, of its bytes
+    size_class: tuple = ()
+
+    @property
+    def slot_class(self) -> tuple:
+        return self.size_class or ((self.nbytes, torch.uint8),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +66,10 @@ class CostTable:
     carry: bool = False  # prefetch wrap-around (policy.prefetch_next_call): steady-state calls are predicted
     host_budget: int | None = None  # host memory for the packed weights (the disk tier): the rest is on disk
     disk_bandwidth: float = 0.0  # bytes per second a fill reads from disk
+    # the groups the graph reads only by indices (`passes.analysis.routed_reads`: a table's lookup, routed
+    # experts), each read as (group, its slot's key, the slot's bytes): streamed, such a group is not fetched
+    # whole but the rows named are copied into a fixed slot (`TransferEngine.plan_routed`, one per key)
+    routed: tuple[tuple[int, tuple, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "uses", compress_uses(self.uses))
@@ -63,6 +77,19 @@ class CostTable:
         for seconds in self.node_seconds:
             prefix.append(prefix[-1] + seconds)
         object.__setattr__(self, "_prefix", tuple(prefix))
+
+    @property
+    def routed_groups(self) -> frozenset[int]:
+        return frozenset(g for g, _, _ in self.routed)
+
+    def routed_slot_bytes(self, resident: frozenset[int]) -> int:
+        """The routed slots of the routed groups not kept resident (reads of one key share a slot)."""
+        return sum({key: nbytes for g, key, nbytes in self.routed if g not in resident}.values())
+
+    def streamed_bytes(self, group: int) -> int:
+        """The least device memory streaming ``group`` holds: its copy's slot, or a routed group's row slots."""
+        routed = {key: nbytes for g, key, nbytes in self.routed if g == group}
+        return sum(routed.values()) if routed else self.groups[group].nbytes
 
     @property
     def used_groups(self) -> tuple[int, ...]:
@@ -129,13 +156,16 @@ class Prediction:
     time_s: float
     compute_s: float
     transfer_s: float  # sum of the fetches' transfer times (hidden or not)
-    weights_peak_bytes: int  # resident + streamed window: what the ledger will measure
+    # resident + the device slots its fetches land in (`passes.slots.schedule_pool_bytes`, the backend's own
+    # number): the device memory held for weights from the first call on, at least the ledger's peak
+    weights_peak_bytes: int
     resident_bytes: int
     activation_bytes: int
     fetches: int
     schedule: Schedule
     call_s: float = 0.0  # the call's fixed cost
     disk: frozenset[int] = frozenset()  # the groups read from disk at each of their fetches (host_budget)
+    resident_groups: frozenset[int] = frozenset()  # the groups read that it keeps resident
 
     @property
     def peak_bytes(self) -> int:
@@ -151,7 +181,9 @@ class Prediction:
 def schedule_for(table: CostTable, choice: Choice) -> Schedule:
     """The schedule the backend builds for ``choice`` (`backend.rewrite_graph`): reads of its groups on disk
     ahead, back to back."""
-    return build_schedule([u for u in table.uses if u.group not in choice.resident], choice.prefetch,
+    # a routed group streamed is read through its routed slot, outside the schedule (`backend.rewrite_graph`)
+    fetched_whole = [u for u in table.uses if u.group not in choice.resident and u.group not in table.routed_groups]
+    return build_schedule(fetched_whole, choice.prefetch,
                           carry=table.carry, read_ahead=table.on_disk(choice.resident) or frozenset())
 
 
@@ -161,13 +193,15 @@ def predict(table: CostTable, choice: Choice) -> Prediction:
     schedule = schedule_for(table, choice)
     used = set(table.used_groups)
     resident_bytes = sum(table.groups[g].nbytes for g in choice.resident & used)
-    streamed_peak = peak_bytes(schedule, {g: table.groups[g].nbytes for g in used})
+    slots = (schedule_pool_bytes(schedule, lambda g: table.groups[g].slot_class)
+             + table.routed_slot_bytes(choice.resident))
     disk = table.on_disk(choice.resident)
     time_s = math.inf if disk is None else table.call_overhead_s + _replay(table, schedule, disk=disk)
     return Prediction(time_s, table.compute_s,
                       sum(table.transfer_s(i.group, i.group in (disk or ())) for i in schedule.instances),
-                      resident_bytes + streamed_peak, resident_bytes, table.activation_bytes,
-                      len(schedule.instances), schedule, table.call_overhead_s, disk or frozenset())
+                      resident_bytes + slots, resident_bytes, table.activation_bytes,
+                      len(schedule.instances), schedule, table.call_overhead_s, disk or frozenset(),
+                      choice.resident & used)
 
 
 def _replay(table: CostTable, schedule: Schedule, events: list | None = None,
@@ -269,9 +303,9 @@ def minimum_budget(table: CostTable, max_nodes: int = 20000) -> tuple[int, Predi
     fetched once for its whole span, and a resident group between its runs can merge them."""
     best = predict(table, Choice(frozenset(), 0))
     order = sorted(table.used_groups, key=lambda g: (-table.groups[g].nbytes, g))
-    suffix_max = [0] * (len(order) + 1)
+    suffix_max = [0] * (len(order) + 1)  # a group resident holds its bytes, streamed at least its streamed bytes
     for i in range(len(order) - 1, -1, -1):
-        suffix_max[i] = max(table.groups[order[i]].nbytes, suffix_max[i + 1])
+        suffix_max[i] = max(table.streamed_bytes(order[i]), suffix_max[i + 1])
     nodes = 0
 
     def search(i: int, resident: frozenset[int], resident_bytes: int, largest_streamed: int) -> None:
@@ -286,7 +320,7 @@ def minimum_budget(table: CostTable, max_nodes: int = 20000) -> tuple[int, Predi
                 best = prediction
             return
         g, size = order[i], table.groups[order[i]].nbytes
-        search(i + 1, resident, resident_bytes, max(largest_streamed, size))
+        search(i + 1, resident, resident_bytes, max(largest_streamed, table.streamed_bytes(g)))
         search(i + 1, resident | {g}, resident_bytes + size, largest_streamed)
 
     search(0, frozenset(), 0, 0)
@@ -296,7 +330,7 @@ def minimum_budget(table: CostTable, max_nodes: int = 20000) -> tuple[int, Predi
 def infeasible_message(table: CostTable, budget_bytes: int) -> InfeasibleBudgetError:
     needed, prediction = minimum_budget(table)
     mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
-    resident = sorted(g for g in table.used_groups if g not in _streamed(prediction.schedule))
+    resident = sorted(prediction.resident_groups)
     live = resident + _live_at_peak(prediction.schedule, table)
     parts = " + ".join(f"{table.groups[g].name!r} {mib(table.groups[g].nbytes)}" for g in live) or "none"
     return InfeasibleBudgetError(
@@ -305,10 +339,6 @@ def infeasible_message(table: CostTable, budget_bytes: int) -> InfeasibleBudgetE
         f"{mib(prediction.weights_peak_bytes)} on the device at its peak ({parts}). Set device_budget_gb >= "
         f"{math.ceil(needed / GIB * 1e6) / 1e6}, or shrink what is live at the peak "
         f"(blocks_per_group=1, a shorter input)", needed, budget_bytes)
-
-
-def _streamed(schedule: Schedule) -> set[int]:
-    return {inst.group for inst in schedule.instances}
 
 
 def _live_at_peak(schedule: Schedule, table: CostTable) -> list[int]:
@@ -327,10 +357,11 @@ def solve(table: CostTable, budget_bytes: int, max_prefetch: int = 4, max_nodes:
     used = table.used_groups
     order = sorted(used, key=lambda g: (-table.groups[g].nbytes, g))  # big decisions first
     nbytes = [table.groups[g].nbytes for g in order]
-    # suffix_max[i]: the largest group among order[i:]
+    streamed = [table.streamed_bytes(g) for g in order]  # at most nbytes: a routed group's row slots
+    # suffix_max[i]: the least any of order[i:] holds, resident or streamed, at its largest
     suffix_max = [0] * (len(order) + 1)
     for i in range(len(order) - 1, -1, -1):
-        suffix_max[i] = max(nbytes[i], suffix_max[i + 1])
+        suffix_max[i] = max(streamed[i], suffix_max[i + 1])
     state = {"best": None, "choice": None, "nodes": 0}
 
     def offer(choice: Choice, prediction: Prediction) -> None:
@@ -347,7 +378,8 @@ def solve(table: CostTable, budget_bytes: int, max_prefetch: int = 4, max_nodes:
         best = state["best"]
         if best is not None:
             room = budget_bytes - resident_bytes
-            decided_streamed = set(order[:i]) - resident
+            # a routed group streamed is never fetched whole: its time is not in the replay either
+            decided_streamed = set(order[:i]) - resident - table.routed_groups
             bound = (_overlap_bound(table, decided_streamed) if table.overlap
                      else _inline_bound(table, order, i, resident, room, largest_streamed))
             if not _faster_than_bound(best, bound):
@@ -358,7 +390,7 @@ def solve(table: CostTable, budget_bytes: int, max_prefetch: int = 4, max_nodes:
             return
         g = order[i]
         search(depth, i + 1, resident | {g}, resident_bytes + nbytes[i], largest_streamed)
-        search(depth, i + 1, resident, resident_bytes, max(largest_streamed, nbytes[i]))
+        search(depth, i + 1, resident, resident_bytes, max(largest_streamed, streamed[i]))
 
     for depth in prefetch_depths(table, max_prefetch):
         offer(Choice(frozenset(), depth), predict(table, Choice(frozenset(), depth)))
@@ -405,9 +437,11 @@ def _inline_bound(table: CostTable, order: list[int], i: int, resident: frozense
     least once, and the undecided groups kept resident must fit the room left (a fractional knapsack,
     keeping resident first the groups dearest to stream per byte)."""
     decided = set(order[:i])
-    streamed_s = sum(table.transfer_s(g) for g in decided - resident)
+    streamed_s = sum(table.transfer_s(g) for g in decided - resident - table.routed_groups)
     room -= table.activation_bytes + largest_streamed
-    rest = sorted(order[i:], key=lambda g: -table.transfer_s(g) / max(table.groups[g].nbytes, 1))
+    # a routed group costs no fetch time streamed (see `schedule_for`): keeping it resident saves none
+    rest = sorted((g for g in order[i:] if g not in table.routed_groups),
+                  key=lambda g: -table.transfer_s(g) / max(table.groups[g].nbytes, 1))
     for g in rest:
         size = table.groups[g].nbytes
         keep = 1.0 if size <= room else max(room, 0) / size

@@ -174,7 +174,7 @@ def _save_plan_residency(plt, plan, path: str) -> str:
                label=f"device budget ({plan.budget_bytes / MIB:.3f} MiB)")
     if plan.measured_peak_bytes is not None:
         ax.axhline(plan.measured_peak_bytes / MIB, color="black", linestyle="-.", linewidth=1,
-                   label=f"measured weights peak, ledger ({plan.measured_peak_bytes / MIB:.3f} MiB)")
+                   label=f"measured copies in flight, ledger ({plan.measured_peak_bytes / MIB:.3f} MiB)")
     _residency_axes(ax, nodes, max(live + [plan.budget_bytes]),
                     f"{plan.model_name}: device memory along the forward (auto plan)")
     return _legend_outside_and_save(fig, ax, path)
@@ -307,7 +307,7 @@ def save_runtime_plots(runtime, directory: str) -> list[str]:
         ax.axhline((data.kept_bytes + data.resident_bytes) / MIB, color="gray", linestyle=":", linewidth=1,
                    label=f"on the device throughout: {what}")
     ax.axhline(data.measured_peak / MIB, color="black", linestyle="-.", linewidth=1,
-               label=f"measured weights peak, ledger{' + kept' if data.kept_bytes else ''} "
+               label=f"measured copies in flight, ledger{' + kept' if data.kept_bytes else ''} "
                      f"({data.measured_peak / MIB:.3f} MiB)")
     policy = runtime.policy
     _residency_axes(ax, data.longest, highest, f"{runtime.model_name}: device weights along each graph "

@@ -25,7 +25,7 @@ from .device import DeviceStreams, is_accelerator, synchronize_streams
 from .host import HostStore
 from .pinning import HostRegistrations
 from .slots import size_class
-from .stats import OffloadStats, describe
+from .stats import OffloadStats, describe, held_device_weight_bytes, held_pool_bytes
 from .transfers import TransferEngine
 
 _NEXT_ID = itertools.count(1)
@@ -165,9 +165,9 @@ class OffloadRuntime:
     def new_fetch_key(self) -> int:
         return self.transfers.new_fetch_key()
 
-    def plan_slots(self, assignment: dict[int, tuple[int, int]]) -> None:
+    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling, sizes) -> None:
         """See `TransferEngine.plan_slots`."""
-        self.transfers.plan_slots(assignment)
+        self.transfers.plan_slots(assignment, pooling, sizes)
 
     def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
         """See `TransferEngine.plan_transfer`."""
@@ -254,7 +254,8 @@ class OffloadRuntime:
                             self.total_bytes, parked, self.unmanaged_bytes, carried, t.carry_hits,
                             self.on_demand.bytes, t.disk_bytes_read, self.host.disk_bytes, t.routed_bytes,
                             t.routed_fetches, t.expert_bytes,
-                            sum(calls for _, _, calls in self.calls_by_plan()))
+                            sum(calls for _, _, calls in self.calls_by_plan()),
+                            held_pool_bytes(self), held_device_weight_bytes(self) if self.graph_plans else 0)
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""

@@ -34,6 +34,7 @@ class DeviceSlot:
         self.filled_in_capture = False  # its copy is a node of a captured graph: it exists only after a replay
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its weights over the buffers
         self._leaf_views: dict[int, tuple[torch.Tensor, ...]] = {}  # group -> its plain leaves over the buffers
+        self._cut: dict[int, list[torch.Tensor]] = {}  # group -> the buffers cut to its buckets (`buffers_for`)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -50,6 +51,19 @@ class DeviceSlot:
                 self.free.record(self.streams.compute())
         return self._buffers
 
+    def buffers_for(self, group: Group) -> list[torch.Tensor]:
+        """The buffers cut to ``group``'s buckets, the same tensors on every call: a slot shared by the groups
+        of one kind (`passes.slots.Pooling`) is sized to the largest, and a group's copy is the prefix of each
+        buffer (its leaves' offsets are within it)."""
+        buffers = self.buffers
+        if all(buf.numel() == bucket.numel for buf, bucket in zip(buffers, group.buckets)):
+            return buffers
+        made = self._cut.get(group.index)
+        if made is None:
+            with torch.inference_mode(False):
+                made = self._cut[group.index] = [buf[:bucket.numel] for buf, bucket in zip(buffers, group.buckets)]
+        return made
+
     def staging(self, index: int, pinned: bool) -> torch.Tensor:
         """A host buffer the size of the slot's buffer ``index``, for a group on disk: the file is read into
         it, then copied to the device (pinned where the host store pins, so the copy is asynchronous)."""
@@ -65,6 +79,7 @@ class DeviceSlot:
         self._buffers = None
         self._views.clear()
         self._leaf_views.clear()
+        self._cut.clear()
         self.ready = self.free = None
 
     def leaves(self, group: Group) -> tuple[torch.Tensor, ...]:
@@ -112,11 +127,20 @@ class DevicePool:
         self.streams = streams
         self.slots: dict[tuple, list[DeviceSlot]] = {}
 
-    def reserve(self, size_class: tuple, count: int) -> list[DeviceSlot]:
-        slots = self.slots.setdefault(size_class, [])
-        while len(slots) < count:
-            slots.append(DeviceSlot(size_class, self.device, len(slots), self.streams))
+    def reserve(self, slot_class: tuple, sizes: list[tuple]) -> list[DeviceSlot]:
+        """The slots of ``slot_class`` (a size class, or a kind's shared slots: `passes.slots.Pooling`), one of
+        each size in ``sizes`` ((numel, dtype) per buffer) by index; those planned before keep theirs."""
+        slots = self.slots.setdefault(slot_class, [])
+        for index, size in enumerate(sizes):
+            if index == len(slots):
+                slots.append(DeviceSlot(size, self.device, index, self.streams))
+            elif slots[index].size_class != size:  # the colouring never grows a planned slot: a planning bug
+                raise AssertionError(f"device slot {index} of {slot_class} is {slots[index].size_class}, not {size}")
         return slots
+
+    def sizes(self) -> dict[tuple, list[tuple]]:
+        """Each slot's size, per slot class: what a later graph's colouring must fit in (`passes.slots`)."""
+        return {cls: [slot.size_class for slot in slots] for cls, slots in self.slots.items()}
 
     def clear(self) -> None:
         """Forget every slot (the runtime unpacked): their memory goes with the last reference."""

@@ -32,6 +32,11 @@ class OffloadStats:
     routed_fetches: int = 0  # routed fetches run (one per weight read by indices per call)
     expert_bytes: int = 0  # of bytes_transferred, fused expert weights moved (whole fetches and routed ones)
     calls: int = 0  # offloaded graph calls since the last reset
+    # device memory held for weights from the first call on (`held_device_weight_bytes`): the slots every
+    # streamed copy lands in (the pool, allocated whole, filled or not), routed slots, resident groups, and the
+    # weights outside the groups. ``peak_resident_bytes`` (the ledger) counts only slots while a copy fills them
+    pool_bytes: int = 0  # of it, the device slots: the pool's and the routed fetches'
+    device_weight_bytes: int = 0
 
     @property
     def expert_bytes_per_call(self) -> float:
@@ -40,8 +45,10 @@ class OffloadStats:
 
     @property
     def peak_device_weight_bytes(self) -> int:
-        """Peak of all weights on the device: the ledger's peak plus the weights that never leave it."""
-        return self.peak_resident_bytes + self.unmanaged_bytes
+        """Device memory held for weights at its most: what the plan holds (`device_weight_bytes`: the slot
+        pool is allocated whole at the first call and kept), at least the ledger's peak of copies in flight
+        plus the weights that never leave the device (a runtime that has not planned holds no slots yet)."""
+        return max(self.device_weight_bytes, self.peak_resident_bytes + self.unmanaged_bytes)
 
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
@@ -57,8 +64,34 @@ class OffloadStats:
         carried += (f"; {mib(self.routed_bytes)} in {self.routed_fetches} routed fetches (the rows indices named)"
                     if self.routed_fetches else "")
         return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
-                f"peak device weights {mib(self.peak_device_weight_bytes)} of {mib(total)} "
-                f"({mib(self.resident_bytes)} resident, {mib(self.streamed_bytes)} streamed{kept}){carried}")
+                f"device weights held {mib(self.peak_device_weight_bytes)} of {mib(total)} "
+                f"({mib(self.pool_bytes)} of device slots; {mib(self.resident_bytes)} resident, "
+                f"{mib(self.streamed_bytes)} streamed{kept}); copies in flight at most "
+                f"{mib(self.peak_resident_bytes)}{carried}")
+
+
+def _slot_sizes(pool) -> dict[int, int]:
+    """Slot bytes -> how many slots of that size, in the pool's order (a kind's shared slots may differ)."""
+    counts: dict[int, int] = {}
+    for slots in pool.slots.values():
+        for slot in slots:
+            counts[slot.nbytes] = counts.get(slot.nbytes, 0) + 1
+    return counts
+
+
+def held_pool_bytes(runtime) -> int:
+    """The device slots a runtime's compiled graphs planned (`DevicePool`, each slot of its size class) and its
+    routed fetches' slots: allocated at the first call, held until the runtime goes."""
+    return runtime.pool.nbytes + runtime.transfers.routed_slot_bytes
+
+
+def held_device_weight_bytes(runtime) -> int:
+    """Device memory a runtime holds for weights once its compiled graphs ran: its slots (`held_pool_bytes`),
+    the resident groups its graphs read (each copied once, kept) and the weights outside the groups. The
+    ledger's peak counts a slot only while a copy fills it; the memory is held whether or not it is filled."""
+    resident = set().union(*(p.verified.resident_groups for p in runtime.graph_plans))
+    return (held_pool_bytes(runtime) + sum(runtime.groups[g].nbytes for g in resident)
+            + runtime.unmanaged_bytes)
 
 
 def describe(runtime) -> str:
@@ -86,7 +119,7 @@ def describe(runtime) -> str:
     pool = runtime.pool
     if pool.slots:
         lines.append(f"  device pool {mib(pool.nbytes)}: "
-                     + ", ".join(f"{len(slots)} x {readable_bytes(slots[0].nbytes)}" for slots in pool.slots.values()))
+                     + ", ".join(f"{count} x {readable_bytes(nbytes)}" for nbytes, count in _slot_sizes(pool).items()))
     resident = sum(g.nbytes for g in runtime.groups if not g.streamed)
     total, unmanaged = runtime.total_bytes, runtime.unmanaged_bytes
     lines.append(f"  total {mib(total + unmanaged)}: {mib(resident)} resident, {mib(total - resident)} streamed"

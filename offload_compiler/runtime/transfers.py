@@ -22,6 +22,7 @@ from .copier import CopyWorker
 from .device import DeviceStreams
 from .host import HostStore, stamp
 from .layout import Group
+from ..passes.slots import Pooling, choose_pooling
 from .slots import DevicePool, DeviceSlot, Ledger, size_class
 
 CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
@@ -109,6 +110,7 @@ class TransferEngine:
         self.expert_bytes = 0  # of bytes_transferred, expert weights moved: whole fetches and routed ones
         self._routed_slots: dict[tuple, torch.Tensor] = {}  # (expert shape, dtype, bound) -> its fixed slot
         self.pool = DevicePool(device, streams)
+        self._shared_kinds: dict[tuple, bool] = {}  # kind -> its groups share slots (decided by its first graph)
         self.copier = CopyWorker()  # disk reads beside compute (see `copier`): its thread starts at the first read
         self._slot_of: dict[int, DeviceSlot] = {}  # fetch key -> the pool slot its copy lands in (the plan)
         self._pending: dict[int, DeviceSlot] = {}  # fetch key -> slot being filled, not yet waited for
@@ -127,11 +129,26 @@ class TransferEngine:
     def new_fetch_key(self) -> int:
         return next(self._fetch_keys)
 
-    def plan_slots(self, assignment: dict[int, tuple[int, int]]) -> None:
+    def pooling(self, events) -> Pooling:
+        """How a graph with slot ``events`` (`passes.slots`) pools its fetches: per kind, slots per size class
+        or shared by the kind, whichever the kind's first graph needed less of; the decision then holds for the
+        runtime's later graphs (their slots are of the same pool)."""
+        pooling, self._shared_kinds = choose_pooling(events, self.size_class_of, self._shared_kinds,
+                                                     self.pool.sizes())
+        return pooling
+
+    def size_class_of(self, group: int) -> tuple:
+        return size_class(self.groups[group])
+
+    def plan_slots(self, assignment: dict[int, tuple[int, int]], pooling: Pooling, sizes) -> None:
         """Bind each fetch key to its pool slot: ``assignment`` maps key -> (group, slot index within the
-        group's size class), as the slot pass planned it; the pool grows to hold every slot named."""
+        group's slot class under ``pooling``), as the slot pass planned it, with ``sizes`` each slot's size
+        (`passes.slots.sized_slots`: the slots earlier graphs planned are among them, unchanged); the pool grows
+        to hold every slot named."""
+        for cls, had in sizes.items():
+            self.pool.reserve(cls, had)
         for key, (group, index) in assignment.items():
-            self._slot_of[key] = self.pool.reserve(size_class(self.groups[group]), index + 1)[index]
+            self._slot_of[key] = self.pool.slots[pooling.slot_class(group)][index]
 
     def plan_transfer(self, steps: tuple[tuple[int, int, int, int], ...], key: int | None, group: int) -> int:
         """Record a fused transfer of a compiled graph (`passes.fuse`): the evicts and prefetches of ``steps``
@@ -156,6 +173,11 @@ class TransferEngine:
                 self._routed_slots[key] = torch.empty((r.bound, *key[0]), dtype=key[1], device=self.device)
             keys[key] = r.bound_bytes
         return sum(keys.values())
+
+    @property
+    def routed_slot_bytes(self) -> int:
+        """Device bytes of the routed fetches' slots, made when their graphs were planned."""
+        return sum(t.nbytes for t in self._routed_slots.values())
 
     def routed(self, group: int, slot: int, ids: torch.Tensor, bound: int, expert_bytes: int) -> torch.Tensor:
         """``weight[ids]`` for a weight read by indices (router indices; a table's lookup, ``ids`` of any shape):
@@ -240,7 +262,7 @@ class TransferEngine:
             self._vacate(slot)
         self._copy_into(slot, group)
         slot.group = group.index
-        self.ledger.occupy(slot.nbytes)
+        self.ledger.occupy(group.nbytes)  # the copy's bytes: a shared slot may be larger (the pool counts it)
         self.bytes_transferred += group.nbytes
         self.fetch_count += 1
         if group.index in self.expert_groups:
@@ -250,7 +272,7 @@ class TransferEngine:
     def _copy_into(self, slot: DeviceSlot, group: Group) -> None:
         """The copy itself: on the copy stream on an accelerator, else here (`benchmarks/decode.py --decompose`
         times calls without it)."""
-        buffers = slot.buffers
+        buffers = slot.buffers_for(group)
         if slot.ready is not None:
             self._copy_on_stream(slot, group)
             return
@@ -284,10 +306,10 @@ class TransferEngine:
     def _send(self, slot: DeviceSlot, group: Group, stream) -> None:
         """The copies into the slot on the copy stream, from the group's host buffers (a bucket on disk: from the
         slot's staging buffer, read already); compute waits on ``ready``."""
-        sources = [slot.staging(i, self.host.pinned) if bucket.file is not None else bucket.source()
+        sources = [slot.staging(i, self.host.pinned)[:bucket.numel] if bucket.file is not None else bucket.source()
                    for i, bucket in enumerate(group.buckets)]
         with self.streams.on(stream):
-            for buf, source in zip(slot.buffers, sources):
+            for buf, source in zip(slot.buffers_for(group), sources):
                 buf.copy_(source, non_blocking=True)
         slot.ready.record(stream)
 
@@ -300,7 +322,7 @@ class TransferEngine:
                                  f"from the staging buffer without reading the file again. Capture a model without "
                                  f"host_budget_gb, or run this one eagerly")
         slot.ready.synchronize()
-        staging = [slot.staging(i, self.host.pinned) if bucket.file is not None else None
+        staging = [slot.staging(i, self.host.pinned)[:bucket.numel] if bucket.file is not None else None
                    for i, bucket in enumerate(group.buckets)]
         self.disk_bytes_read += sum(buffer.nbytes for buffer in staging if buffer is not None)
         slot.pending = self.copier.submit(lambda: _read_staged(staging, group))
@@ -330,8 +352,8 @@ class TransferEngine:
         if slot.pending is not None:  # a fill still in flight: done before the slot is refilled or dropped
             future, slot.pending, slot.unsent = slot.pending, None, None
             concurrent.futures.wait([future])  # its error goes with the copy
+        self.ledger.release(self.groups[slot.group].nbytes)
         slot.group = None
-        self.ledger.release(slot.nbytes)
         if slot.free is not None:
             slot.free.record(self.streams.compute())
 
@@ -413,7 +435,8 @@ class TransferEngine:
 
     def wait(self, key: int, group: int) -> list[torch.Tensor]:
         """The group's slot, ready for compute: its flat buffers (the same tensors every call)."""
-        return self._wait(key, group).buffers
+        slot = self._wait(key, group)
+        return slot.buffers_for(self.groups[slot.group])
 
     def wait_weights(self, key: int, group: int) -> tuple[torch.Tensor, ...]:
         """As `wait`, but the group's weights themselves (made over the slot once): the eager path."""
