@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, exact_command, write_json  # noqa: E402
 
 from offload_compiler import OffloadPolicy, OffloadSavingWarning  # noqa: E402
-from offload_compiler.grouping import block_paths, peak_estimate, plan_groups  # noqa: E402
+from offload_compiler.grouping import block_paths, plan_groups  # noqa: E402
+from offload_compiler.savings import peak_estimate  # noqa: E402
 from offload_compiler.testing import assert_offload_equivalent  # noqa: E402
 
 MODELS = ("vit_b_16", "regnet_y_400mf", "densenet121", "maxvit_t", "resnet50", "convnext_tiny")

@@ -15,7 +15,8 @@ from ._torch_private import compiled_module_of
 from .components import with_component
 from .checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_layout
 from .errors import OffloadSavingWarning
-from .grouping import BLOCK_STRATEGIES, block_paths, peak_estimate, saving_warning
+from .grouping import BLOCK_STRATEGIES, block_paths
+from .savings import peak_estimate, saving_warning
 from .planning import auto
 from .planning.auto import OffloadPlan
 from .offloaded import (OffloadState, OffloadedModule, add_method, install_output_capture, offload_module,

@@ -188,8 +188,9 @@ def test_components_naming_the_vae_stream_it_block_by_block_and_its_decode_by_ha
     assert torch.equal(_run(pipe, kwargs), expected)
     stats = assert_traffic_matches_plan(pipe)
     assert stats.unmanaged_bytes == 0 and "kept on the device" not in str(offload_stats(pipe))
-    others = max(g.nbytes for name, g in groups.items() if not name.startswith("vae."))
-    assert stats.peak_device_weight_bytes < vae_bytes + others  # below any peak with the VAE kept on the device
+    # nothing kept on the device: the weight memory held is the slots the streamed copies share (the comparison
+    # with the VAE kept on the device: tests/test_simulated_device.py, where the device's allocations are counted)
+    assert stats.peak_device_weight_bytes == stats.pool_bytes < stats.total_bytes
     latents = torch.randn(1, 4, 8, 8)
     with torch.no_grad():
         want = plain_vae.decode(latents).sample
@@ -197,7 +198,7 @@ def test_components_naming_the_vae_stream_it_block_by_block_and_its_decode_by_ha
     with torch.no_grad():
         assert torch.equal(pipe.vae.decode(latents).sample, want)
     stats = assert_traffic_matches_plan(pipe)
-    assert stats.bytes_transferred == _vae_decoder_bytes(groups) > 0 and stats.peak_device_weight_bytes < vae_bytes
+    assert stats.bytes_transferred == _vae_decoder_bytes(groups) > 0 and stats.peak_resident_bytes < vae_bytes
 
 
 def test_a_component_name_that_is_not_one_lists_the_pipelines_components_and_touches_nothing():

@@ -131,9 +131,9 @@ def test_budget_streams_the_quantized_bytes():
 def test_auto_under_a_tight_budget_streams_quantized_groups():
     model, kwargs = _llama()
     quantized = _quantized_bytes(model)
-    policy = OffloadPolicy(strategy="auto", device_budget_gb=0.6 * quantized / 2**30, **CPU)
+    policy = OffloadPolicy(strategy="auto", device_budget_gb=0.7 * quantized / 2**30, **CPU)
     report = assert_offload_equivalent(model, policy, **kwargs)
-    assert 0 < report.streamed_bytes < quantized and report.peak_resident_bytes <= 0.6 * quantized
+    assert 0 < report.streamed_bytes < quantized and report.peak_device_weight_bytes <= 0.7 * quantized
 
 
 @pytest.mark.slow  # a quantized model captured

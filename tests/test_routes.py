@@ -347,7 +347,8 @@ def test_auto_streams_a_part_called_before_the_whole_model_then_plans_at_its_fir
         assert torch.equal(m.model(input_ids=ids).last_hidden_state, plain.model(input_ids=ids).last_hidden_state)
     before = assert_traffic_matches_plan(m)  # the part's graph fetched every group of its blocks, once each
     assert before.fetch_count > 0 and before.peak_resident_bytes < before.total_bytes
-    assert "not planned yet" in describe_plan(m) and offload_groups(m) == []
+    streaming = offload_groups(m)  # until the plan: the block-by-block groups the part streamed
+    assert "not planned yet" in describe_plan(m) and streaming and all(g.streamed for g in streaming if g.nbytes)
     with pytest.raises(ValueError, match="no auto offload plan"):
         offload_plan(m)
     with torch.no_grad():

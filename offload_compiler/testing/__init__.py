@@ -260,6 +260,8 @@ class EquivalenceReport:
     # at decode): their bytes, and the routed fetches that ran
     routed_group_bytes: int = 0
     routed_fetches: int = 0
+    # the device memory held for weights: the slots of the plan's window, resident groups, weights outside groups
+    peak_device_weight_bytes: int = 0
 
 
 def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: Any, atol: float | None = None,
@@ -321,4 +323,4 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
     if routed_only:
         assert stats.routed_fetches >= calls, "groups read by indices were not moved"
     return EquivalenceReport(worst, stats.bytes_transferred, stats.peak_resident_bytes, predicted, streamed,
-                             routed_only, stats.routed_fetches)
+                             routed_only, stats.routed_fetches, stats.peak_device_weight_bytes)

@@ -1,0 +1,155 @@
+"""What a block plan (layerwise, budget) saves, judged before it runs: the device weight memory it will hold
+(`peak_estimate`: resident groups and the device slots of its window) and, where that is little, the warning
+that names the largest group and the fix (`saving_warning`). Above the runtime and the passes: the estimate lays
+groups out as the runtime does and sizes slots as the slot colouring does."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from torch import nn
+
+from .grouping import BUDGET_SLACK, MODEL_STACKS, ROOT, _discover, _join, _submodule
+from .passes.slots import class_bytes, slot_kind
+from .policy import OffloadPolicy
+from .runtime.layout import layout_group
+from .runtime.slots import size_class
+
+HALF_THE_MODEL = 0.5
+# budget saving less than this share of offload_gb is warned about: the prefetch window eats what it streams
+BUDGET_SAVED_SHARE = 0.5
+
+
+def peak_estimate(groups: Iterable, prefetch: int) -> int:
+    """Device weight bytes a block plan (layerwise, budget) holds, before any graph is captured: the resident
+    groups and its device slots, allocated whole at the first call and held after it. Slots are per size class
+    (groups whose flat buffers have the same sizes and dtypes), or shared by a kind (the same dtypes; each slot
+    its largest group), whichever is smaller (`passes.slots.Pooling`); either needs as many as its copies alive
+    at once, at most ``prefetch`` + 1 (the group computing and those fetched ahead of it) and at most its
+    groups. ``groups`` are `GroupSpec`s or a runtime's groups. The planned slots replace it once graphs
+    exist.
+
+    With ``prefetch_next_call`` the window is the same: the schedule (`passes.schedule._carry_points`) copies
+    the next call's first group i at the wait of group n - prefetch + i, where this call has no group left to
+    prefetch, and never before its own copy in this call is gone, so a carried copy takes the slot of a
+    prefetch that does not happen: at most prefetch + 1 groups still (the last ones and the first ones, the
+    cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
+    it is waited for (no group's use spans another's)."""
+    groups = list(groups)
+    classes = [_size_class_of(g) for g in groups if g.streamed]
+    window = prefetch + 1
+    by_class: dict[tuple, int] = {}  # kind -> its slots' bytes, per size class
+    for cls in set(classes):
+        by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + min(classes.count(cls), window) * class_bytes(cls)
+    slots = 0
+    for kind, nbytes in by_class.items():  # or shared by the kind (at most its window's largest), if smaller
+        largest = sorted((class_bytes(c) for c in classes if slot_kind(c) == kind), reverse=True)
+        slots += min(nbytes, sum(largest[:window]))
+    return sum(g.nbytes for g in groups if not g.streamed) + slots
+
+
+def _size_class_of(group) -> tuple:
+    """A group's size class (`runtime.slots.size_class`): a `GroupSpec` is laid out first (no tensor data)."""
+    return size_class(group if hasattr(group, "buckets") else layout_group(0, group))
+
+
+def _gib_at_least(nbytes: int) -> str:
+    """``nbytes`` in GiB rounded up to 3 significant digits, for an ``offload_gb=`` that asks for at least it."""
+    gib = nbytes / 2**30
+    scale = 10 ** (2 - math.floor(math.log10(gib)))
+    return f"{math.ceil(gib * scale) / scale:g}"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, stacks: tuple[str, ...] = (),
+                   unmanaged_bytes: int = 0) -> str | None:
+    """Why the block plan of ``model`` saves little, naming its largest group and the fix; None where it saves
+    what was asked. Layerwise: its estimated peak (`peak_estimate`) is above half the model. Budget: it streams
+    more than ``offload_gb`` by over a quarter (its groups are too coarse to stop near the budget), or it saves
+    under half of ``offload_gb`` (`_budget_window_warning`: the prefetch window holds what it streams). ``stacks``
+    are the block stacks in use (`block_paths`), which a suggested ``blocks_attr`` keeps."""
+    groups = list(groups)
+    total = sum(g.nbytes for g in groups) + unmanaged_bytes
+    streamed = [g for g in groups if g.streamed]
+    if not streamed or not total:
+        return None
+    name = type(model).__name__
+    if policy.strategy == "layerwise":
+        peak = peak_estimate(groups, policy.prefetch) + unmanaged_bytes
+        if peak <= HALF_THE_MODEL * total:
+            return None
+        problem = (f"layerwise keeps up to {peak / total:.0%} of {name}'s weights on the device at once "
+                   f"({_mib(peak)} of {_mib(total)} with prefetch={policy.prefetch})")
+    elif policy.strategy == "budget" and policy.offload_bytes:
+        moved = sum(g.nbytes for g in streamed)
+        if moved <= (1 + BUDGET_SLACK) * policy.offload_bytes:
+            return _budget_window_warning(name, groups, policy, unmanaged_bytes)
+        problem = (f"budget streams {_mib(moved)} ({moved / total:.0%} of {name}) where offload_gb={policy.offload_gb:g} "
+                   f"asked for {_mib(policy.offload_bytes)}")
+    else:
+        return None
+    largest = max(streamed, key=lambda g: g.nbytes)
+    return (f"{problem}: its largest streamed group, {largest.name!r}, holds {largest.nbytes / total:.0%} of the "
+            f"model. {_fix(model, largest.name, groups, policy, stacks, total)}")
+
+
+def _budget_window_warning(name: str, groups: list, policy: OffloadPolicy, unmanaged_bytes: int) -> str | None:
+    """Why budget saves far less than ``offload_gb`` (under `BUDGET_SAVED_SHARE` of it), naming the fix; None
+    where it saves enough. The group computing and the ``prefetch`` fetched ahead of it are on the device at
+    once, so streaming little more than those groups saves little: streaming no more than them, nothing."""
+    depth, managed = policy.prefetch + 1, sum(g.nbytes for g in groups)
+    asked = min(policy.offload_bytes, managed)  # an offload_gb over the model asks to stream all of it
+    total = managed + unmanaged_bytes
+    saved = managed - peak_estimate(groups, policy.prefetch)
+    if saved >= BUDGET_SAVED_SHARE * asked:
+        return None
+    streamed = [g for g in groups if g.streamed]
+    moved, largest = sum(g.nbytes for g in streamed), max(g.nbytes for g in streamed)
+    saves = f"saves {_mib(saved)} ({saved / total:.0%} of {name})" if saved > 0 else "saves no device memory"
+    ahead = f"the one computing and the {policy.prefetch} fetched ahead of it" if policy.prefetch else "one at a time"
+    problem = (f"budget {saves} where offload_gb={policy.offload_gb:g} asked to stream {_mib(asked)}: "
+               f"prefetch={policy.prefetch} holds {depth} streamed group(s) on the device at once ({ahead}) and it "
+               f"streams {len(streamed)} ({_mib(moved)}), so its device weight peak is "
+               f"{(total - saved) / total:.0%} of the model")
+    # what the prefetch depth holds, were budget to stream more groups no larger than those it streams now
+    # (equal blocks: a transformer's layers)
+    window = depth * largest
+    if window + asked <= managed:
+        fix = (f"Fix: offload_gb={_gib_at_least(window + asked)} or more: what prefetch={policy.prefetch} holds "
+               f"({depth} x {_mib(largest)}) plus the {_mib(asked)} you want saved")
+    else:
+        most = managed - sum(sorted((g.nbytes for g in groups), reverse=True)[:depth])  # every group streamed
+        fix = (f"Fix: no offload_gb saves {_mib(asked)} with prefetch={policy.prefetch}; the most, {_mib(most)}, "
+               f"is streaming every group (strategy='layerwise')")
+    alone = moved - largest  # prefetch=0: one streamed group on the device at a time
+    if policy.prefetch and alone >= BUDGET_SAVED_SHARE * asked:
+        fix += f"; or prefetch=0 saves {_mib(alone)} (one group at a time: its copies no longer overlap compute)"
+    return f"{problem}. {fix}."
+
+
+def _fix(model: nn.Module, group: str, groups: list, policy: OffloadPolicy, stacks: tuple[str, ...],
+         total: int) -> str:
+    """How to split ``group``: into its blocks where it merges several, along a stack inside it where it has
+    one; else say it is one piece, and what prefetch=0 would hold."""
+    try:
+        module = _submodule(model, group) if group != ROOT else None
+    except KeyError:  # not a module: several blocks merged ("blocks.0-3")
+        module = None
+    if module is None and policy.blocks_per_group > 1:
+        return f"Fix: blocks_per_group=1 streams its blocks one at a time (now {policy.blocks_per_group})."
+    inner = _discover(module, MODEL_STACKS) if module is not None else ()
+    if inner:
+        paths = tuple(dict.fromkeys((*stacks, *(_join(group, stack) for stack in inner))))
+        return (f"Fix: blocks_attr={paths!r} streams its parts one at a time (blocks_attr names the modules whose "
+                f"children are the blocks; blocks_per_group=1 keeps them apart).")
+    kind = type(module).__name__ if module is not None else "group"
+    alone = peak_estimate(groups, 0)
+    fewer = (f"; prefetch=0 would hold {alone / total:.0%} (one group at a time, copies no longer overlap compute)"
+             if policy.prefetch and alone <= HALF_THE_MODEL * total else "")
+    return (f"Fix: {group!r} (a {kind}) holds no stack of blocks to split it along: name smaller blocks with "
+            f"blocks_attr='path.to.blocks' where the model has them and keep blocks_per_group=1, or keep it on the "
+            f"device (strategy='budget' streams the rest){fewer}.")
