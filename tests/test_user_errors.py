@@ -441,3 +441,33 @@ def test_a_model_inside_or_around_an_offloaded_one_is_refused_before_anything_ch
     with torch.no_grad():  # given back, the outer model offloads as a whole
         assert torch.equal(offload_compile(outer, OffloadPolicy(strategy="layerwise", **CPU))(x), expected_outer)
     assert plain is first
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "auto"])
+def test_a_model_that_rescales_its_weights_at_its_first_call_is_refused_naming_the_plain_call_first(strategy):
+    """RWKV in eval mode divides its weights in place at its first call: an offloaded weight is read-only in the
+    forward, so that call is refused by the weight's name with the fix (one plain call before offloading), which
+    then works; nothing was changed by the refusal."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                     intermediate_size=64, context_length=32, rescale_every=1)
+    torch.manual_seed(0)
+    plain = transformers.RwkvForCausalLM(config).eval()
+    fresh = copy.deepcopy(plain)
+    snapshot = {k: v.clone() for k, v in fresh.state_dict().items()}
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        expected = plain(input_ids=ids).logits  # rescales plain's weights
+    policy = OffloadPolicy(strategy=strategy, device="cpu", **({"device_budget_gb": 1.0} if strategy == "auto" else {}))
+    m = offload_compile(fresh, policy)
+    with pytest.raises(OffloadRefusal, match=r"modifies weight 'rwkv\.blocks\.\d\.\S+' in place.*call the plain model "
+                                             r"once before offloading"):
+        with torch.no_grad():
+            m(input_ids=ids)
+    restored = remove_offload(m)
+    assert all(torch.equal(v, snapshot[k]) for k, v in restored.state_dict().items())
+    with torch.no_grad():
+        restored(input_ids=ids)  # the fix: one plain call, then offload
+    m = offload_compile(restored, policy)
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids).logits, expected)

@@ -157,8 +157,11 @@ def readers(placeholder: fx.Node, direct: fx.Node, weight_name: str) -> Reads:
         if _is_inplace(node) and node.args and isinstance(node.args[0], fx.Node) and _aliases(
                 _value(node.args[0]), storages):
             raise WeightMutatedError(
-                f"the forward modifies weight {weight_name!r} in place ({node.format_node()}); offloaded weights "
-                f"must be read-only. Keep it resident: OffloadPolicy(offload_buffers=False) for buffers")
+                f"the forward modifies weight {weight_name!r} in place ({node.format_node()}); an offloaded weight "
+                f"is read-only in the forward (its device copy is dropped after use, so the change would be lost). "
+                f"Where the model prepares its weights at its first call (RWKV rescales them in eval mode), call "
+                f"the plain model once before offloading; a buffer the forward updates (a running count) stays on "
+                f"the device with OffloadPolicy(offload_buffers=False)")
         value = _value(node)
         if isinstance(value, (tuple, list)):
             stack.extend((user, node) for user in node.users)

@@ -195,7 +195,7 @@ def activation_peak(gm: fx.GraphModule, weight_nodes: set[fx.Node]) -> int:
 def build_table(gm: fx.GraphModule, example_inputs: list, specs: list[GroupSpec], rates: DeviceRates,
                 blocks_per_group: int = 1, carry: bool = False) -> CostTable:
     group_of = {id(w.tensor): (gi, si) for gi, spec in enumerate(specs) for si, w in enumerate(spec.weights)}
-    weights = weight_inputs(gm, example_inputs, group_of)
+    weights = weight_inputs(gm, example_inputs, group_of, lambda g, s: specs[g].weights[s].name)
     uses, _ = collect_uses(gm, weights, set(range(len(specs))))
     routed = routed_reads(weights, set(range(len(specs))))
     return CostTable(
