@@ -1,7 +1,7 @@
 """Architectures the test suite does not build, offloaded as a new user would: tiny random-weight configs,
 ``layerwise`` (prefetch 1), eager (or ``--compiler inductor`` on the CPU), on the simulated accelerator (a device that is not the host) or the CPU.
 For each: max abs difference of the logits (transformers) or sample (diffusers) to the plain CPU model, whether
-the traffic equals the verified plan, the device weight peak as a share of the model, bytes read on demand.
+the traffic equals the verified plan, the ledger's peak of the device copies in flight as a share of the model (field `device_weight_peak_share`, named before the slots held were counted: `describe_plan` gives the memory held), bytes read on demand.
 
     python benchmarks/unseen_architectures.py --device sim --out benchmarks/results/unseen_architectures.json
 
