@@ -33,7 +33,8 @@ warning asks subclasses for it): torch calls it, we call nothing, and without it
    ``set_eval_frame_override`` in 2.11): `leave_fullgraph_region`, so that an offloaded call made from the
    user's ``torch.compile(m, fullgraph=True)`` compiles its own frames. No public API: torch has no notion of
    a nested compile that leaves the user's region. Test: ``test_leaving_the_fullgraph_region_compiles_nested_frames``.
-5. Dynamo's error reports (``torch._dynamo.exc``: ``TorchDynamoException``, ``Unsupported``, ``UserError``;
+5. Dynamo's error reports (``torch._dynamo.exc``: ``TorchDynamoException``, ``Unsupported``, ``UserError``,
+   ``ObservedException`` (the model's own ``raise``, met while tracing);
    the ``real_stack`` they carry; the text: symbolic sizes ``s27``, ``Hint:`` lines, "graph break"): the model's
    own error inside dynamo's wrappers, the line of the model that failed, a graph break under ``fullgraph``
    (`is_tracing_error`, `model_error`, `user_frame`, `symbolic_sizes`, `short_reason`,
@@ -318,6 +319,16 @@ def model_error(exc: BaseException) -> BaseException | None:
                                                                               IndexError)):
             found = error
     return found
+
+
+def model_raised(exc: BaseException) -> BaseException | None:
+    """Dynamo's record of a ``raise`` in the model's code that it met while tracing with no handler for it (under
+    ``fullgraph=True``: the model refused this call's inputs itself, "You have to specify input_ids"): its text
+    names the model's exception. None where the model raised nothing."""
+    observed = getattr(torch._dynamo.exc, "ObservedException", None)
+    if observed is None:
+        return None
+    return next((error for error in _chain(exc) if isinstance(error, observed)), None)
 
 
 def own_refusal(exc: BaseException) -> OffloadRefusal | None:

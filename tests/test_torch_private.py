@@ -152,6 +152,16 @@ def test_dynamo_errors_carry_the_model_error_and_its_line():
     assert isinstance(caught.value, torch._dynamo.exc.Unsupported)  # the class, not the text, says it
     assert private.cannot_capture_in_one_graph(caught.value)
     assert "\n" not in private.short_reason(str(caught.value))
+    assert private.model_raised(caught.value) is None
+
+    def refuses(x=None):
+        if x is None:
+            raise ValueError("You have to specify x")
+        return x
+
+    with pytest.raises(Exception) as caught:
+        torch.compile(refuses, backend="eager", fullgraph=True)()
+    assert "You have to specify x" in str(private.model_raised(caught.value))
 
 
 # 6

@@ -471,3 +471,24 @@ def test_a_model_that_rescales_its_weights_at_its_first_call_is_refused_naming_t
     m = offload_compile(restored, policy)
     with torch.no_grad():
         assert torch.equal(m(input_ids=ids).logits, expected)
+
+
+def test_auto_names_the_models_own_refusal_of_the_inputs_not_a_tracing_limit():
+    """Under auto the first call is traced whole to plan it: a model whose own check raises for these inputs
+    (SigLIP's too-long input, CLIP without input_ids) is said to refuse them, with its message and line; nothing
+    was planned, and a call with good inputs then plans and runs."""
+    torch.manual_seed(0)
+    model = _CheckedStack().eval()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device_budget_gb=1.0, **CPU))
+    with pytest.raises(ValueError, match=r"_CheckedStack refused this call's inputs while strategy='auto' traced it "
+                                         r"to plan: .*at most 4 positions, got 6.*test_user_errors\.py.*nothing was "
+                                         r"planned or moved"):
+        with torch.no_grad():
+            m(torch.randn(2, 6, 8))
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+    from offload_compiler import offload_plan
+    assert offload_plan(m).predicted_peak_bytes > 0  # planned at the good call

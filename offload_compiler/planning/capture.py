@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .._torch_private import cannot_capture_in_one_graph, capture_config, short_reason
+from .._torch_private import cannot_capture_in_one_graph, capture_config, model_raised, short_reason, user_frame
 
 
 def own_frame(function: Any) -> Any:
@@ -53,6 +53,12 @@ def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the
     except _Captured:
         pass
     except Exception as exc:
+        raised = model_raised(exc)
+        if raised is not None:  # not a tracing limit: the model's own check refused these inputs
+            line = user_frame(exc)
+            raise ValueError(f"{name} refused this call's inputs while strategy='auto' traced it to plan: "
+                             f"{str(raised).strip()}{f' (at {line})' if line else ''}. Check the inputs against "
+                             f"what {name} expects; nothing was planned or moved") from exc
         if cannot_capture_in_one_graph(exc):
             raise ValueError(f"strategy='auto' plans from one captured graph, but dynamo cannot capture {name} as "
                              f"one ({short_reason(str(exc))}); make that code traceable (TORCH_LOGS=graph_breaks "
