@@ -878,3 +878,26 @@ def test_routing_a_part_guards_nothing_per_module_beyond_the_plain_models_graph(
     plain_6, ours_6 = _guards_kept(monkeypatch, 6)
     assert plain_6 > plain_2  # guards per block: what the comparison is about
     assert ours_6 - plain_6 == ours_2 - plain_2
+
+
+def test_auto_warns_once_where_an_entry_method_runs_before_any_forward_planned():
+    """A VAE used only through ``decode`` under auto: no forward comes to plan from, so its groups stream one block
+    at a time, unplanned; one warning says so and names ``m.plan``, which then plans."""
+    pytest.importorskip("diffusers")
+    from offload_compiler.testing.pipelines import _vae
+    vae = _vae(4)
+    plain = copy.deepcopy(vae)
+    latents = torch.randn(1, 4, 8, 8)
+    m = offload_compile(vae, OffloadPolicy(strategy="auto", device_budget_gb=1.0, device="cpu"))
+    with pytest.warns(UserWarning, match=r"plans from AutoencoderKL's forward; its decode runs before any plan.*"
+                                         r"m\.plan\(<forward's inputs>\)"):
+        with torch.no_grad():
+            assert torch.equal(m.decode(latents).sample, plain.decode(latents).sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            m.decode(latents)  # warned once
+    from offload_compiler import plan_summary
+    assert offload_stats(m).bytes_transferred > 0 and not plan_summary(m)["planned"]
+    m.plan(torch.randn(1, 3, 8, 8))
+    assert plan_summary(m)["planned"]

@@ -93,6 +93,13 @@ class _OffloadedForward:
                     plan_now(state, args, kwargs)
                 elif state.runtime is None:
                     state.stream_before_plan()
+                    if self._root:  # an entry method (a VAE's decode): a forward may never come to plan from
+                        warnings.warn(
+                            f"offload_compiler: strategy='auto' plans from {state.name}'s forward; its "
+                            f"{self._method} runs before any plan, streaming every group one block at a time (the "
+                            f"least device memory, not planned for device_budget_gb). To plan now, call "
+                            f"m.plan(<forward's inputs>) (nothing runs), or use strategy='layerwise'",
+                            UserWarning, stacklevel=user_stacklevel())
             elif state.unplanned:
                 path = state.path_of(self._module)
                 if path in state.unplanned:
