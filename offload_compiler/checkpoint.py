@@ -206,11 +206,24 @@ def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Entry]:
         raise CheckpointError(f"{unmet[:4]} are buffers on the meta device that no checkpoint holds (they are computed "
                               f"when the model is built, like rotary frequencies): build the model under "
                               f"offload_compiler.empty_weights(), which puts only parameters on meta")
+    _warn_kind_casts(model, sources, tensors)
     unused = sorted(set(entries) - {n for names in named.values() for n in names})
     if unused:
         warnings.warn(f"offload_compiler: the checkpoint holds {len(unused)} tensors that {type(model).__name__} "
                       f"does not have, such as {unused[:4]}; they are not loaded", RuntimeWarning, stacklevel=4)
     return sources
+
+
+def _warn_kind_casts(model: nn.Module, sources: dict[int, Entry], tensors: dict[int, torch.Tensor]) -> None:
+    """A checkpoint's tensor is cast to its weight's dtype (bfloat16 into float32 is usual); integers into floating
+    point or back, rarely meant (a checkpoint of another model, or indices saved as weights), are said once."""
+    crossed = [(entry.name, entry.dtype, tensors[ident].dtype) for ident, entry in sources.items()
+               if entry.dtype.is_floating_point != tensors[ident].dtype.is_floating_point]
+    if crossed:
+        name, saved, held = crossed[0]
+        warnings.warn(f"offload_compiler: {len(crossed)} checkpoint tensors are cast between integer and floating "
+                      f"point into {type(model).__name__}, such as {name} ({saved} in the file, {held} in the model); "
+                      f"check that the checkpoint is this model's", RuntimeWarning, stacklevel=4)
 
 
 def _held_per_expert(missing: list[str], entries: dict[str, Entry]) -> tuple[str, str] | None:

@@ -378,3 +378,14 @@ def test_a_model_over_its_checkpoints_mapping_is_packed_without_holding_it_twice
     before, peak = run(script, "mapped", path)
     model_bytes = os.path.getsize(path)
     assert peak - before <= 1.15 * model_bytes, ((peak - before) / model_bytes)
+
+
+def test_a_cast_between_integers_and_floating_point_is_warned(tmp_path):
+    ref = _reference(4)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    state["head.weight"] = (state["head.weight"] * 100).to(torch.int64)
+    save_file(state, str(tmp_path / "ints.safetensors"))
+    with pytest.warns(RuntimeWarning, match=r"1 checkpoint tensors are cast between integer and floating point into "
+                                            r"Net, such as head\.weight \(torch\.int64 in the file, torch\.float32"):
+        model = offload_compile(_empty(), OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path / "ints.safetensors")
+    assert model.head.weight.dtype == torch.float32
