@@ -161,7 +161,8 @@ def test_dynamo_errors_carry_the_model_error_and_its_line():
 
     with pytest.raises(Exception) as caught:
         torch.compile(refuses, backend="eager", fullgraph=True)()
-    assert "You have to specify x" in str(private.model_raised(caught.value))
+    assert private.model_raised(caught.value) is not None  # its text is dynamo's (2.11: no message): not read
+    assert private.user_frame(caught.value).endswith('raise ValueError("You have to specify x")')
 
 
 # 6
