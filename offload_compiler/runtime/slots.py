@@ -55,13 +55,15 @@ class DeviceSlot:
         """The buffers cut to ``group``'s buckets, the same tensors on every call: a slot shared by the groups
         of one kind (`passes.slots.Pooling`) is sized to the largest, and a group's copy is the prefix of each
         buffer (its leaves' offsets are within it)."""
-        buffers = self.buffers
-        if all(buf.numel() == bucket.numel for buf, bucket in zip(buffers, group.buckets)):
-            return buffers
-        made = self._cut.get(group.index)
+        made = self._cut.get(group.index)  # decided once per group: this runs at every fill
         if made is None:
-            with torch.inference_mode(False):
-                made = self._cut[group.index] = [buf[:bucket.numel] for buf, bucket in zip(buffers, group.buckets)]
+            buffers = self.buffers
+            if all(buf.numel() == bucket.numel for buf, bucket in zip(buffers, group.buckets)):
+                made = buffers
+            else:
+                with torch.inference_mode(False):
+                    made = [buf[:bucket.numel] for buf, bucket in zip(buffers, group.buckets)]
+            self._cut[group.index] = made
         return made
 
     def staging(self, index: int, pinned: bool) -> torch.Tensor:
