@@ -471,6 +471,7 @@ def test_a_model_that_rescales_its_weights_at_its_first_call_is_refused_naming_t
     m = offload_compile(restored, policy)
     with torch.no_grad():
         assert torch.equal(m(input_ids=ids).logits, expected)
+    assert offload_stats(m).bytes_transferred > 0  # offloaded, not run on the host weights
 
 
 def test_auto_names_the_models_own_refusal_of_the_inputs_not_a_tracing_limit():
