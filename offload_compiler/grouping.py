@@ -95,7 +95,7 @@ def _module_bytes(module: nn.Module) -> int:
     return sum(leaf_nbytes(t) for t in tensors.values())
 
 
-def _join(parent: str, child: str) -> str:
+def join_path(parent: str, child: str) -> str:
     return ".".join(part for part in (parent, child) if part)
 
 
@@ -104,7 +104,7 @@ def _inside(path: str, container: str) -> bool:
     return path != container and (not container or path.startswith(container + "."))
 
 
-def _submodule(model: nn.Module, path: str) -> nn.Module:
+def registered_submodule(model: nn.Module, path: str) -> nn.Module:
     """``model.get_submodule(path)`` through the registered children only: a child may share its name with a
     method (``double``, ``half``), which ``getattr`` would find first."""
     for part in path.split(".") if path else ():
@@ -198,13 +198,13 @@ def _outermost(model: nn.Module, is_stack) -> list[str]:
     return found
 
 
-def _discover(model: nn.Module, kinds) -> tuple[str, ...]:
+def discover_stacks(model: nn.Module, kinds) -> tuple[str, ...]:
     """The outermost stacks of the first kind ``model`` has, but those under a tenth the size of the largest
     (Flux has two stacks, a UNet several; a list of one norm is not worth streaming on its own)."""
     for is_stack in kinds:
         found = _outermost(model, is_stack)
         if found:
-            sizes = {path: _module_bytes(_submodule(model, path)) for path in found}
+            sizes = {path: _module_bytes(registered_submodule(model, path)) for path in found}
             largest = max(sizes.values())
             return tuple(path for path in found if sizes[path] >= SMALLEST_STACK * largest)
     return ()
@@ -216,7 +216,7 @@ def discover_block_paths(model: nn.Module) -> tuple[str, ...]:
     ``ModuleDict`` or a plain module, numbered or named children); where there is none, every outermost
     ``nn.Sequential`` of two or more weight-holding layers. Stacks under a tenth the size of the largest are
     left out."""
-    return _discover(model, MODEL_STACKS)
+    return discover_stacks(model, MODEL_STACKS)
 
 
 def block_paths(model: nn.Module, policy: OffloadPolicy) -> tuple[str, ...]:
@@ -244,7 +244,7 @@ class Block:
 
 
 def _blocks_in(model: nn.Module, stacks: Iterable[str]) -> list[Block]:
-    return [Block(_join(stack, name), stack) for stack in stacks
+    return [Block(join_path(stack, name), stack) for stack in stacks
             for name, child in _resolve(model, stack).named_children() if _holds_weights(child)]
 
 
@@ -252,12 +252,12 @@ def _sub_blocks(model: nn.Module, block: Block) -> list[Block]:
     """The blocks of the stacks inside ``block``; none where it is made of single layers, or where one of them
     is all of it (a list of one block), so that splitting would leave the largest part as large."""
     try:
-        module = _submodule(model, block.path)
+        module = registered_submodule(model, block.path)
     except KeyError:  # a declared stack reached through a plain attribute: its weights are named elsewhere
         return []
-    subs = _blocks_in(model, [_join(block.path, stack) for stack in _discover(module, INNER_STACKS)])
+    subs = _blocks_in(model, [join_path(block.path, stack) for stack in discover_stacks(module, INNER_STACKS)])
     whole = _module_bytes(module)
-    return subs if all(_module_bytes(_submodule(model, b.path)) < whole for b in subs) else []
+    return subs if all(_module_bytes(registered_submodule(model, b.path)) < whole for b in subs) else []
 
 
 def _block_of(name: str, by_path: dict[str, Block]) -> Block | None:

@@ -10,7 +10,7 @@ from typing import Iterable
 
 from torch import nn
 
-from .grouping import BUDGET_SLACK, MODEL_STACKS, ROOT, _discover, _join, _submodule
+from .grouping import BUDGET_SLACK, MODEL_STACKS, ROOT, discover_stacks, join_path, registered_submodule
 from .passes.slots import class_bytes, slot_kind
 from .policy import OffloadPolicy
 from .runtime.layout import layout_group
@@ -136,14 +136,14 @@ def _fix(model: nn.Module, group: str, groups: list, policy: OffloadPolicy, stac
     """How to split ``group``: into its blocks where it merges several, along a stack inside it where it has
     one; else say it is one piece, and what prefetch=0 would hold."""
     try:
-        module = _submodule(model, group) if group != ROOT else None
+        module = registered_submodule(model, group) if group != ROOT else None
     except KeyError:  # not a module: several blocks merged ("blocks.0-3")
         module = None
     if module is None and policy.blocks_per_group > 1:
         return f"Fix: blocks_per_group=1 streams its blocks one at a time (now {policy.blocks_per_group})."
-    inner = _discover(module, MODEL_STACKS) if module is not None else ()
+    inner = discover_stacks(module, MODEL_STACKS) if module is not None else ()
     if inner:
-        paths = tuple(dict.fromkeys((*stacks, *(_join(group, stack) for stack in inner))))
+        paths = tuple(dict.fromkeys((*stacks, *(join_path(group, stack) for stack in inner))))
         return (f"Fix: blocks_attr={paths!r} streams its parts one at a time (blocks_attr names the modules whose "
                 f"children are the blocks; blocks_per_group=1 keeps them apart).")
     kind = type(module).__name__ if module is not None else "group"
