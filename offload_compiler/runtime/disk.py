@@ -162,17 +162,33 @@ def _drop_pages(fd: int, start: int, length: int) -> None:
 
 def beyond_budget(sizes: Sequence[int], streamed: Iterable[int], budget: int) -> frozenset[int] | None:
     """The groups (indices into ``sizes``) to put on disk so that the rest fit ``budget`` bytes of host memory:
-    streamed groups only (a resident group is read once), the largest first (fewest files for the bytes).
+    streamed groups only (a resident group is read once), the largest first (fewest groups for the bytes).
+    Among groups of one size (a model's blocks), as many as the budget needs, spread evenly over their index
+    order (`_spread`), which is their call order in a stack of blocks: a read from disk takes longer than a
+    copy from memory, and a group read ahead overlaps the groups in memory computed before it (the schedule
+    reads each group on disk once the read before it was waited for), so groups in memory between the reads
+    keep the disk and the compute busy together, where a run of groups on disk leaves the compute waiting on
+    the disk and then the disk idle while the groups in memory compute.
     None where even every streamed group on disk leaves too much. The planner predicts with this rule and the
     host store applies it (`disk_groups`): the two agree by construction."""
     held = sum(sizes)
-    chosen = []
-    for index in sorted(streamed, key=lambda i: (-sizes[i], i)):
-        if held <= budget:
+    by_size: dict[int, list[int]] = {}
+    for index in sorted(streamed):
+        by_size.setdefault(sizes[index], []).append(index)
+    chosen: list[int] = []
+    for size in sorted(by_size, reverse=True):
+        if held <= budget or size == 0:
             break
-        chosen.append(index)
-        held -= sizes[index]
+        tier = by_size[size]
+        needed = min(len(tier), -(-(held - budget) // size))
+        chosen.extend(_spread(tier, needed))
+        held -= needed * size
     return frozenset(chosen) if held <= budget else None
+
+
+def _spread(indices: list[int], count: int) -> list[int]:
+    """``count`` of ``indices`` (sorted), evenly spaced from the first: 5 of 12 blocks are blocks 0, 2, 4, 7, 9."""
+    return [indices[j * len(indices) // count] for j in range(count)]
 
 
 def disk_groups(groups: list[Group], budget: int) -> frozenset[int]:
