@@ -440,3 +440,38 @@ def test_reads_from_disk_start_at_the_call_and_each_runs_while_a_group_in_memory
     assert stats.disk_bytes_read == 3 * BLOCK and stats.bytes_transferred == runtime.total_bytes
     assert stats.peak_resident_bytes == runtime.graph_plans[0].verified.peak_bytes == report.peak_resident_bytes
 
+
+def test_the_groups_on_disk_are_regions_of_one_file_in_their_order(tmp_path):
+    """One file for every bucket on disk, each at a page-aligned region, in the groups' order: reading the groups
+    in call order reads the file start to end (a disk reads one file's consecutive ranges faster than as many
+    files). Loading from a checkpoint lays them out the same way; the file closes with its last region."""
+    import mmap
+    model = _model(12)
+    folder = tmp_path / "own"
+    folder.mkdir()
+    m = offload_compile(copy.deepcopy(model), _policy(folder))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), model(x))
+
+    def regions(m):
+        files = [b.file for g in _runtime(m).groups if g.on_disk for b in g.buckets if b.file is not None]
+        assert len(files) == 4 and len({f.path for f in files}) == 1 and len({f.fd for f in files}) == 1
+        bases = [f.base for f in files]
+        assert bases == sorted(bases) and all(b % mmap.ALLOCATIONGRANULARITY == 0 for b in bases)
+        assert all(a.base + a.nbytes <= b.base for a, b in zip(files, files[1:]))  # no overlap
+        return files
+
+    files = regions(m)
+    descriptor = files[0].fd
+    plain = remove_offload(m)
+    assert all(f.fd == -1 for f in files)
+    with pytest.raises(OSError):
+        os.fstat(descriptor)  # closed with the last region
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
+    loaded, path, folder = _checkpoint(tmp_path, model, torch.bfloat16)  # another dtype: written, not viewed
+    m = offload_compile(loaded, _policy(folder), checkpoint=path)
+    regions(m)
+    assert os.listdir(folder) == []
+    with torch.no_grad():
+        assert torch.equal(m(x), model.to(torch.bfloat16).float()(x))
