@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .grouping import GroupSpec, plan_groups
 from .host_masters import replace_tensors
-from .runtime.disk import CheckpointExtents, DiskFile, disk_groups
+from .runtime.disk import CheckpointExtents, DiskFile, DiskSpace, disk_groups
 from .runtime.layout import contiguous_stride, layout_group
 from .storage import Filled, FilledBuckets
 
@@ -327,11 +327,16 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
     direct = {index: views for index, views in direct.items() if views is not None}
     buffers: dict[tuple[int, int], torch.Tensor | DiskFile] = {}  # (group, bucket) -> its flat, or its file
     places: dict[int, tuple[Any, tuple[int, int]]] = {}  # weight id -> (its leaf, (group, bucket))
+    # the buckets bound for disk: regions of one file, in the groups' order (`runtime.disk.DiskSpace`)
+    to_disk = [(g.index, bi) for g in groups if g.index in on_disk and g.index not in direct
+               for bi in range(len(g.buckets))]
+    space = DiskSpace(disk_dir, [groups[g].buckets[bi].nbytes for g, bi in to_disk]) if to_disk else None
+    region = {key: i for i, key in enumerate(to_disk)}
     for group in groups:
         if group.index in direct:  # left where the checkpoint has it: nothing read, nothing written
             continue
         for bi, bucket in enumerate(group.buckets):
-            buffers[group.index, bi] = DiskFile(disk_dir, bucket.nbytes) if group.index in on_disk else \
+            buffers[group.index, bi] = space.file(region[group.index, bi]) if group.index in on_disk else \
                 torch.empty(bucket.numel, dtype=bucket.dtype)
         for leaf in group.leaves:
             if type(leaf.tensor) in (torch.Tensor, nn.Parameter):  # a subclass is packed from itself, as always

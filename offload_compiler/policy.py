@@ -113,8 +113,8 @@ class OffloadPolicy:
                        another component needs the room (latency-minimising, the default); False evicts it
                        after use (memory-saving).
     host_budget_gb:    GiB of host memory the packed weights may hold; the streamed groups beyond it (the
-                       largest first) stay in files under ``disk_dir`` and are read from there at each fetch
-                       (layerwise, budget, sequential).
+                       largest first; of equal groups, blocks, spread evenly over the call) stay in files under
+                       ``disk_dir`` and are read from there at each fetch (layerwise, budget, sequential).
     disk_dir:          an existing directory for those files (on a fast local disk); needs ``host_budget_gb``.
 
     ``alternating``: when a component runs it is on the device and the other components are not.

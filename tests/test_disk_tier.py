@@ -377,3 +377,101 @@ def test_a_group_on_disk_is_read_as_soon_as_the_read_before_it_was_waited_for(tm
     order = [runtime.groups[i.group].name for i in schedule.instances]
     assert order == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
     assert schedule.prefetch_at == (0, 0, 1, 2, 0)  # the head: at the wait of blocks.0, the read before it
+
+
+def test_groups_of_one_size_beyond_the_budget_are_spread_over_the_call_not_the_first_ones():
+    """The largest groups go first (the head); of the blocks, as many as the budget needs, evenly spaced from the
+    first: blocks in memory between the reads compute while the disk reads the next one."""
+    from offload_compiler.runtime.disk import beyond_budget
+    sizes = [10] + [5] * 12 + [0, 10]  # embedding, 12 blocks, a group without bytes, head
+    assert sorted(beyond_budget(sizes, range(15), budget=50)) == [0, 1, 7, 14]  # 2 blocks: 0 and 6 of 12
+    assert sorted(beyond_budget(sizes, range(15), budget=40)) == [0, 1, 4, 7, 10, 14]  # 4 blocks: 0, 3, 6, 9
+    assert sorted(beyond_budget(sizes, range(15), budget=0)) == [i for i in range(15) if sizes[i]]
+    assert beyond_budget(sizes, range(15), budget=80) == frozenset()
+    assert beyond_budget(sizes, [1, 2], budget=50) is None  # the rest cannot go: no choice fits
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_reads_from_disk_start_at_the_call_and_each_runs_while_a_group_in_memory_computes(
+        tmp_path, device, monkeypatch):
+    """Three of six blocks on disk: blocks 0, 2 and 4 (not 0 to 2). The first two reads are issued before the
+    call waits for anything, and every later read before the wait of the read two before it, so the disk reads
+    while the blocks in memory compute; the ledger, the traffic and the outputs agree with the plan."""
+    from offload_compiler.runtime.transfers import TransferEngine
+    from offload_compiler.testing import assert_offload_equivalent, simulated_device
+    device = simulated_device() if device == "sim" else device
+    model = _model(11)
+    policy = _policy(tmp_path, blocks_in_memory=3, prefetch=1, device=device)
+    report = assert_offload_equivalent(model, policy, torch.randn(2, 8), calls=2)
+    m = offload_compile(copy.deepcopy(model), policy)
+    runtime = _runtime(m)
+    on_disk = [g.name for g in runtime.groups if g.on_disk]
+    assert on_disk == ["blocks.0", "blocks.2", "blocks.4"]
+    x = torch.randn(2, 8).to(device)
+    with torch.no_grad():
+        m(x)  # compiled, packed
+    events = []
+    fill, ready = TransferEngine._fill, TransferEngine._ready
+
+    def logged_fill(self, slot, group):
+        events.append(("fill", group.name))
+        return fill(self, slot, group)
+
+    def logged_ready(self, slot):
+        events.append(("wait", self.groups[slot.group].name))
+        return ready(self, slot)
+
+    monkeypatch.setattr(TransferEngine, "_fill", logged_fill)
+    monkeypatch.setattr(TransferEngine, "_ready", logged_ready)
+    reset_offload_stats(m)
+    with torch.no_grad():
+        m(x)
+    waits = [name for kind, name in events if kind == "wait"]
+    first_wait = events.index(("wait", waits[0]))
+    assert events.index(("fill", "blocks.0")) < first_wait  # the disk reads from the call's start
+    for name in on_disk[1:]:
+        before = waits[waits.index(name) - 1]
+        assert before not in on_disk  # a block in memory between two reads
+        assert events.index(("fill", name)) < events.index(("wait", before))
+    # queued behind the read in flight: issued before the call waits for the read before it (prefetch + 1 back)
+    assert events.index(("fill", "blocks.2")) < first_wait
+    assert events.index(("fill", "blocks.4")) < events.index(("wait", "blocks.2"))
+    stats = offload_stats(m)
+    assert stats.disk_bytes_read == 3 * BLOCK and stats.bytes_transferred == runtime.total_bytes
+    assert stats.peak_resident_bytes == runtime.graph_plans[0].verified.peak_bytes == report.peak_resident_bytes
+
+
+def test_the_groups_on_disk_are_regions_of_one_file_in_their_order(tmp_path):
+    """One file for every bucket on disk, each at a page-aligned region, in the groups' order: reading the groups
+    in call order reads the file start to end (a disk reads one file's consecutive ranges faster than as many
+    files). Loading from a checkpoint lays them out the same way; the file closes with its last region."""
+    import mmap
+    model = _model(12)
+    folder = tmp_path / "own"
+    folder.mkdir()
+    m = offload_compile(copy.deepcopy(model), _policy(folder))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), model(x))
+
+    def regions(m):
+        files = [b.file for g in _runtime(m).groups if g.on_disk for b in g.buckets if b.file is not None]
+        assert len(files) == 4 and len({f.path for f in files}) == 1 and len({f.fd for f in files}) == 1
+        bases = [f.base for f in files]
+        assert bases == sorted(bases) and all(b % mmap.ALLOCATIONGRANULARITY == 0 for b in bases)
+        assert all(a.base + a.nbytes <= b.base for a, b in zip(files, files[1:]))  # no overlap
+        return files
+
+    files = regions(m)
+    descriptor = files[0].fd
+    plain = remove_offload(m)
+    assert all(f.fd == -1 for f in files)
+    with pytest.raises(OSError):
+        os.fstat(descriptor)  # closed with the last region
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
+    loaded, path, folder = _checkpoint(tmp_path, model, torch.bfloat16)  # another dtype: written, not viewed
+    m = offload_compile(loaded, _policy(folder), checkpoint=path)
+    regions(m)
+    assert os.listdir(folder) == []
+    with torch.no_grad():
+        assert torch.equal(m(x), model.to(torch.bfloat16).float()(x))

@@ -114,14 +114,25 @@ def test_tied_embedding_is_carried_after_the_head_is_gone():
     assert peak_bytes(s, {9: 100, 0: 10, 1: 1}) == 110
 
 
-def test_a_group_on_disk_is_prefetched_once_the_read_before_it_is_waited_for():
-    """Reads from disk run one at a time on the worker: the head (on disk) after three layers in memory is
-    prefetched at the wait of the last group read before it, not one group before its own wait."""
-    uses = [Use(g, g, g, key=g) for g in range(6)]  # embedding, four layers, head; 0, 1 and 5 on disk
-    s = build_schedule(uses, 1, read_ahead=frozenset({0, 1, 5}))
-    assert s.prefetch_at == (0, 0, 1, 2, 3, 1)
-    assert build_schedule(uses, 1).prefetch_at == (0, 0, 1, 2, 3, 4)
-    assert peak_bytes(s, dict.fromkeys(range(6), 10)) == 30  # the head's slot is held from there: counted
+def test_a_group_on_disk_is_prefetched_once_the_read_prefetch_plus_one_before_it_is_waited_for():
+    """Reads from disk run one at a time on the worker, in the order issued: with prefetch=1, each read is
+    issued at the wait of the read two before it (the first two at the call's start), not one group before its
+    own wait, so the next read is queued while the call computes the group in memory before the one just read."""
+    uses = [Use(g, g, g, key=g) for g in range(8)]  # 1, 3, 5 and 7 on disk, a group in memory before each
+    s = build_schedule(uses, 1, read_ahead=frozenset({1, 3, 5, 7}))
+    assert s.prefetch_at == (0, 0, 1, 0, 3, 1, 5, 3)
+    assert build_schedule(uses, 1).prefetch_at == (0, 0, 1, 2, 3, 4, 5, 6)
+    assert build_schedule(uses, 2, read_ahead=frozenset({1, 3, 5, 7})).prefetch_at == (0, 0, 0, 0, 2, 0, 4, 1)
+    assert peak_bytes(s, dict.fromkeys(range(8), 10)) == 40  # the slots read ahead are held from there: counted
+
+
+def test_the_first_read_from_disk_is_issued_at_the_start_of_the_call():
+    """Groups 3 and 5 on disk: both reads are issued as the call starts (the disk would otherwise idle while 0
+    to 2 compute); the other prefetches keep their distance."""
+    uses = [Use(g, g, g, key=g) for g in range(6)]
+    s = build_schedule(uses, 1, read_ahead=frozenset({3, 5}))
+    assert s.prefetch_at == (0, 0, 1, 0, 3, 0)
+    assert build_schedule(uses, 0, read_ahead=frozenset({3, 5})).prefetch_at == (0, 1, 2, 3, 4, 5)  # no prefetch
 
 
 @given(use_sequences, st.integers(0, 3), st.integers(1, 3), st.sets(st.integers(0, 5)))

@@ -91,20 +91,23 @@ def _prefetch_points(instances: tuple[Instance, ...], prefetch: int, read_ahead:
                      ) -> tuple[int, ...]:
     """Instance i is prefetched at the wait of instance i - prefetch, but never before the previous copy of
     its group was evicted (a weight used at both ends must not be on the device twice), and in order -- except
-    an instance of a ``read_ahead`` group (on disk), prefetched at the wait of the previous such instance where
-    that is earlier: a read takes longer than a copy from memory, and the worker reads one file at a time, so
-    each read is issued once the one before it is waited for, not one group before its own wait: the reads then
-    overlap the groups in memory between them. Its slot is held from there: the plan's peak counts it."""
+    an instance of a ``read_ahead`` group (on disk), prefetched at the wait of the such instance ``prefetch + 1``
+    before it where that is earlier, the first ``prefetch + 1`` at the call's start: a read takes longer than a
+    copy from memory, and the worker reads one file at a time, in the order issued, so the reads are issued by
+    their own count, not by the groups between them: the disk reads from the call's start, the reads overlap
+    the groups in memory between them, and when a read ends the next one is already queued even where the call
+    has not yet reached the group just read (it computes groups in memory before it). Its slot is held from
+    there: the plan's peak counts it."""
     points: list[int] = []
     last_end: dict[int, int] = {}
     ordered = 0  # the latest point so far: the other prefetches keep their order
-    last_read = None  # the previous read-ahead instance
+    reads: list[int] = []  # the read-ahead instances so far
     for inst in instances:
         at = max(inst.index - prefetch, 0, ordered)
         if inst.group in read_ahead:
-            if last_read is not None and prefetch > 0:
-                at = min(at, last_read)
-            last_read = inst.index
+            if prefetch > 0:
+                at = min(at, reads[-prefetch - 1] if len(reads) > prefetch else 0)
+            reads.append(inst.index)
         previous_end = last_end.get(inst.group)
         if previous_end is not None:
             while instances[at].start <= previous_end:

@@ -17,7 +17,7 @@ from ..grouping import GroupSpec
 from ..host_masters import HostMaster, release_masters
 from ..storage import Filled, FilledBuckets, viewed
 from .device import DeviceStreams, is_accelerator
-from .disk import DiskFile, disk_groups, release_mapped_pages
+from .disk import DiskFile, DiskSpace, disk_groups, release_mapped_pages
 from .layout import Bucket, Group, Leaf, dense_layout, layout_groups, weight_layout
 from .pinning import HostRegistrations, PinningUnavailable, can_pin, pin_exact
 
@@ -75,9 +75,11 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
     group.packed = True
 
 
-def pack_to_disk(group: Group, folder: str, filled: FilledBuckets | None = None) -> None:
-    """`pack_group` for a group on disk: each bucket's bytes go into a file of their own (`disk.DiskFile`) and
-    the leaves become views of its mapping; host memory keeps nothing of them. A bucket loaded from a
+def pack_to_disk(group: Group, folder: str, filled: FilledBuckets | None = None,
+                 region: Callable[[int], DiskFile] | None = None) -> None:
+    """`pack_group` for a group on disk: each bucket's bytes go into its region of the disk tier's file
+    (``region(bucket index)``; without it, a file of its own: `disk.DiskFile`) and the leaves become views of
+    its mapping; host memory keeps nothing of them. A bucket loaded from a
     checkpoint keeps what the loader made: its file, or the checkpoint's own extents (read-only: the first
     write into them moves the group to a file of its own, `HostStore.refresh`). A leaf that cannot be packed
     (`Bucket.owner`) keeps its own storage, as in memory."""
@@ -89,13 +91,14 @@ def pack_to_disk(group: Group, folder: str, filled: FilledBuckets | None = None)
         if laid_out is not None and laid_out.file is not None:
             bucket.host, bucket.file = laid_out.flat, laid_out.file
         else:
-            _write_bucket(bucket, members, folder)
+            _write_bucket(bucket, members, folder, region(bi) if region is not None else None)
     _packed_on_disk(group)
 
 
-def _write_bucket(bucket: Bucket, members: list[Leaf], folder: str) -> None:
-    """The members' bytes (as they are now) into a new file of the bucket's layout; they become views of it."""
-    file = DiskFile(folder, bucket.nbytes)
+def _write_bucket(bucket: Bucket, members: list[Leaf], folder: str, file: DiskFile | None = None) -> None:
+    """The members' bytes (as they are now) into ``file`` (else a new file) in the bucket's layout; they become
+    views of it."""
+    file = DiskFile.new(folder, bucket.nbytes) if file is None else file
     itemsize = bucket.dtype.itemsize
     with torch.no_grad():
         for leaf in members:
@@ -170,6 +173,8 @@ class HostStore:
         self.groups = layout_groups(specs)
         for index in disk_groups(self.groups, host_budget) if host_budget is not None else ():
             self.groups[index].on_disk = True
+        self._disk_space: DiskSpace | None = None  # made at the first group packed to disk (`_region`)
+        self._regions: dict[tuple[int, int], int] = {}
         # a copy to an accelerator reads a pinned buffer, never the leaf's own pageable memory (see `Bucket`)
         self.stage_owners = is_accelerator(device)
         self.registrations = HostRegistrations.for_device(device)
@@ -190,9 +195,18 @@ class HostStore:
         """``filled``: buffers a checkpoint was read into, taken as the group's where laid out as it lays them out."""
         with torch.inference_mode(False):  # deferred to the first call, which may run in inference mode
             if group.on_disk:
-                pack_to_disk(group, self.disk_dir, filled)
+                pack_to_disk(group, self.disk_dir, filled, lambda bucket: self._region(group.index, bucket))
             else:
                 pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners, filled)
+
+    def _region(self, group: int, bucket: int) -> DiskFile:
+        """The region of the disk tier's file for a bucket: one file for every bucket of the groups on disk, in
+        the groups' order, so that reading them in call order reads the file start to end (`disk.DiskSpace`)."""
+        if self._disk_space is None or self._disk_space.closed:
+            keys = [(g.index, bi) for g in self.groups if g.on_disk for bi in range(len(g.buckets))]
+            self._regions = {key: i for i, key in enumerate(keys)}
+            self._disk_space = DiskSpace(self.disk_dir, [self.groups[g].buckets[bi].nbytes for g, bi in keys])
+        return self._disk_space.file(self._regions[group, bucket])
 
     @property
     def host_bytes(self) -> int:
