@@ -4,6 +4,8 @@ Each measurement runs in a fresh Python process: libraries imported, dynamo warm
 and the model built (random weights) before the clock starts; then the method is set up and called once.
 
   plain-eager      torch.compile(model, backend="eager") and its first call (no offloading)
+  plain-regional   the same with the block class's forward marked torch.compiler.nested_compile_region by
+                   hand: what dynamo itself pays per reused block (its floor for ours-regional)
   ours-eager       offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu")) and its first call
   ours-regional    the same with regional=True (each block class traced once, reused for its other blocks)
 
@@ -12,6 +14,9 @@ and ``dit`` (a tiny diffusers ``DiTTransformer2DModel``, `offload_compiler.testi
 ``--depth`` blocks and twice that. Processes are interleaved (round
 by round, model by model, depth by depth, method by method); medians over rounds. ``growth`` is the first
 call at 2x depth over the first call at 1x depth (2.0: the capture is linear in depth; near 1: depth is free).
+``full_gc_s``: the time the first call spent in full (generation 2) garbage collections; a capture makes enough
+objects for one such collection of the whole heap (0.3 s here) to fall inside the first call or just after it,
+depending on the collector's counts, which makes a step between depths.
 
     python benchmarks/regional_capture.py      # writes benchmarks/results/regional_capture.json
 """
@@ -29,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, exact_command, median, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("plain-eager", "ours-eager", "ours-regional")
+METHODS = ("plain-eager", "plain-regional", "ours-eager", "ours-regional")
 MODELS = ("llama", "dit")
 
 
@@ -42,26 +47,45 @@ def build(name: str, depth: int):
     return model.eval(), inputs
 
 
+def block_class(name: str, model) -> type:
+    return type(model.model.layers[0] if name == "llama" else model.transformer_blocks[0])
+
+
 def worker(name: str, depth: int, method: str) -> dict:
+    import gc
     import torch
     torch.set_num_threads(1)
     torch.compile(lambda t: t * 2 + 1, backend="eager")(torch.ones(4))  # dynamo warmed, untimed
     model, inputs = build(name, depth)
     from offload_compiler import OffloadPolicy, offload_compile, offload_stats
+    full_gc = [0.0, None]
+
+    def timed(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                full_gc[1] = time.perf_counter()
+            elif full_gc[1] is not None:
+                full_gc[0] += time.perf_counter() - full_gc[1]
     with torch.no_grad():
+        gc.callbacks.append(timed)
         start = time.perf_counter()
         if method == "plain-eager":
+            runs = torch.compile(model, backend="eager")
+        elif method == "plain-regional":
+            block = block_class(name, model)
+            block.forward = torch.compiler.nested_compile_region(block.forward)
             runs = torch.compile(model, backend="eager")
         else:
             runs = offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu",
                                                         regional=method == "ours-regional"))
         runs(**inputs)
         first = time.perf_counter() - start
+        gc.callbacks.remove(timed)
         start = time.perf_counter()
         runs(**inputs)
         second = time.perf_counter() - start
-    moved = offload_stats(runs).bytes_transferred if method != "plain-eager" else 0
-    return {"first_call_s": first, "second_call_s": second, "bytes_moved": moved}
+    moved = offload_stats(runs).bytes_transferred if method.startswith("ours") else 0
+    return {"first_call_s": first, "second_call_s": second, "full_gc_s": full_gc[0], "bytes_moved": moved}
 
 
 def run_fresh(name: str, depth: int, method: str, timeout: int) -> dict:
@@ -102,10 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
             firsts = {depth: median([s["first_call_s"] for s in samples if s["model"] == name
                                      and s["depth"] == depth and s["method"] == method and "first_call_s" in s])
                       for depth in depths}
+            gcs = {depth: median([s["full_gc_s"] for s in samples if s["model"] == name and s["depth"] == depth
+                                  and s["method"] == method and "full_gc_s" in s]) for depth in depths}
             ok = all(v is not None for v in firsts.values())
             summary.setdefault(name, {})[method] = {
                 f"first_call_s_depth_{d}": v for d, v in firsts.items()} | {
-                "growth": firsts[depths[1]] / firsts[depths[0]] if ok else None}
+                "growth": firsts[depths[1]] / firsts[depths[0]] if ok else None} | {
+                f"full_gc_s_depth_{d}": v for d, v in gcs.items()}
     data = {"command": exact_command(), "environment": environment(),
             "config": {"models": args.models, "depths": depths, "rounds": args.rounds, "methods": args.methods,
                        "torch_num_threads": 1},

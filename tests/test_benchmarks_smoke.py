@@ -270,11 +270,24 @@ def test_moe_decode_small_on_the_simulated_device(tmp_path):
 def test_regional_capture_small(tmp_path):
     out = tmp_path / "regional_capture.json"
     _run("regional_capture.py", "--models", "dit", "--depth", "1", "--rounds", "1", "--methods", "ours-eager",
-         "ours-regional", "--out", str(out))
+         "ours-regional", "plain-regional", "--out", str(out))
     data = json.loads(out.read_text())
     assert "regional_capture.py" in data["command"] and data["config"]["depths"] == [1, 2]
     rows = data["summary"]["dit"]
-    assert set(rows) == {"ours-eager", "ours-regional"}
-    assert all(row["growth"] > 0 for row in rows.values())
+    assert set(rows) == {"ours-eager", "ours-regional", "plain-regional"}
+    assert all(row["growth"] > 0 and row["full_gc_s_depth_2"] >= 0 for row in rows.values())
     moved = {s["method"]: s["bytes_moved"] for s in data["samples"] if s["depth"] == 2}
     assert moved["ours-regional"] == moved["ours-eager"] > 0  # streamed the same
+
+
+@pytest.mark.slow  # four fresh processes, each building and capturing a tiny DiT
+def test_regional_phases_small(tmp_path):
+    out = tmp_path / "regional_phases.json"
+    _run("regional_phases.py", "--depths", "1", "2", "--out", str(out))
+    data = json.loads(out.read_text())
+    rows = data["summary"]
+    assert set(rows) == {"ours-regional", "plain-regional"}
+    ours = rows["ours-regional"]["seconds"]
+    assert all(ours[phase]["2"] > 0 for phase in ("dynamo", "trace", "backend", "guards", "setup", "first_call"))
+    assert ours["trace"]["2"] <= ours["dynamo"]["2"] <= ours["first_call"]["2"]
+    assert "backend" in rows["ours-regional"]["per_block_ms"]

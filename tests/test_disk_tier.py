@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import os
 import platform
+import unittest.mock as mock
 
 import pytest
 import torch
@@ -475,3 +476,48 @@ def test_the_groups_on_disk_are_regions_of_one_file_in_their_order(tmp_path):
     assert os.listdir(folder) == []
     with torch.no_grad():
         assert torch.equal(m(x), model.to(torch.bfloat16).float()(x))
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc/self/maps and MADV_PAGEOUT are Linux's")
+def test_packing_reads_the_file_mappings_once_and_still_advises_a_mapped_weight(tmp_path, monkeypatch):
+    """Packing releases the pages of weights that view a mapped file (a checkpoint loaded with mmap): the file
+    mappings are read once for the whole model, not once per group, and a weight in a mapped file is still
+    advised, whichever mapping it falls in among the process's many."""
+    from offload_compiler.runtime import disk
+    reads, advised = [], []
+    real_read, real_release = disk._file_mappings, disk.release_mapped_pages
+    monkeypatch.setattr(disk, "_file_mappings", lambda: reads.append(1) or real_read())
+    monkeypatch.setattr(disk, "release_mapped_pages",
+                        lambda tensors: advised.append(real_release(tensors)) or advised[-1])
+    import offload_compiler.runtime.host as host
+    monkeypatch.setattr(host, "release_mapped_pages", disk.release_mapped_pages)
+    model = _model(3)
+    path = tmp_path / "weights.bin"
+    torch.save(model.state_dict(), path)
+    model.load_state_dict(torch.load(path, mmap=True), assign=True)  # the blocks' weights view the file's mapping
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise"))
+    assert len(reads) == 1 and len(advised) == len(_runtime(m).groups) == 8
+    assert sum(advised) > 0  # the weights' whole pages in the file (MADV_PAGEOUT: Linux 5.4+)
+    with torch.no_grad():
+        x = torch.randn(2, 8)
+        assert torch.equal(m(x), _model(3)(x))
+
+
+def test_a_tensor_is_advised_over_exactly_the_file_mappings_it_overlaps():
+    """The mappings are searched by address: a tensor is advised over the whole pages it shares with each
+    mapping it overlaps (one starting before it, two inside it), none of the others."""
+    from offload_compiler.runtime import disk
+    page = os.sysconf("SC_PAGE_SIZE")
+    calls = []
+
+    class Libc:
+        def madvise(self, start, size, advice):
+            calls.append((start.value, size.value))
+            return 0
+    tensor = torch.empty(6 * page, dtype=torch.uint8)  # covers [base, base + 5 pages) at least
+    base = (tensor.data_ptr() + page - 1) // page * page
+    mappings = [(base - 12 * page, base - 9 * page), (base - 8 * page, base + page), (base + page, base + 2 * page),
+                (base + 3 * page, base + 4 * page), (base + 10 * page, base + 100 * page)]
+    with mock.patch.object(disk, "_file_mappings", lambda: mappings), mock.patch.object(disk, "_libc", lambda: Libc()):
+        advised = disk.release_mapped_pages([tensor])
+    assert calls == [(base, page), (base + page, page), (base + 3 * page, page)] and advised == 3 * page

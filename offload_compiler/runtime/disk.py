@@ -18,12 +18,17 @@ in ``disk_dir`` when the process ends, however it ends.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
+import functools
+import itertools
 import mmap
 import os
 import tempfile
+import threading
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -261,7 +266,8 @@ MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (a clean file page is d
 
 
 def _file_mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's mappings of regular files (Linux ``/proc/self/maps``); none elsewhere."""
+    """(start, end) of this process's mappings of regular files (Linux ``/proc/self/maps``, which lists them in
+    address order, never overlapping); none elsewhere."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.read().splitlines()
@@ -276,6 +282,30 @@ def _file_mappings() -> list[tuple[int, int]]:
     return found
 
 
+class _Snapshot(threading.local):
+    mappings: list[tuple[int, int]] | None = None
+
+
+_SNAPSHOT = _Snapshot()
+
+
+@contextlib.contextmanager
+def one_read_of_mappings() -> Iterator[None]:
+    """Within it, `release_mapped_pages` reads this process's file mappings once (on this thread), not once per
+    group: the read and its parse cost about a millisecond per group with torch's libraries mapped. Sound for
+    weights that exist when it is entered (packing a model's groups): a tensor in a mapped file keeps that
+    mapping alive, and memory outside every file mapping stays outside, so the snapshot answers for them as a
+    fresh read would."""
+    if _SNAPSHOT.mappings is not None:  # nested: the outer snapshot holds
+        yield
+        return
+    _SNAPSHOT.mappings = _file_mappings()
+    try:
+        yield
+    finally:
+        _SNAPSHOT.mappings = None
+
+
 def release_mapped_pages(tensors: list[torch.Tensor]) -> int:
     """Ask the kernel to reclaim the pages of ``tensors`` that lie in a mapped file (a model loaded by
     ``from_pretrained`` views its safetensors files' mapping, alive until its last weight is repacked): once a
@@ -283,18 +313,22 @@ def release_mapped_pages(tensors: list[torch.Tensor]) -> int:
     packing a whole model would hold it twice at the end. ``MADV_PAGEOUT`` drops clean file pages and loses
     nothing (a page written since is kept, or swapped); anonymous memory is never advised. Returns the bytes
     advised (0 where the OS has no such call)."""
-    mappings = _file_mappings()
+    mappings = _SNAPSHOT.mappings if _SNAPSHOT.mappings is not None else _file_mappings()
     if not mappings or not tensors:
         return 0
     page = os.sysconf("SC_PAGE_SIZE")
     libc = _libc()
     if libc is None:
         return 0
+    starts = [low for low, _ in mappings]
     advised = 0
     for tensor in tensors:
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
-        for low, high in mappings:
+        # the mappings in address order: from the last one starting at or before the tensor, those it overlaps
+        for low, high in itertools.islice(mappings, max(bisect.bisect_right(starts, start) - 1, 0), None):
+            if low >= end:
+                break
             first, last = max(start, low), min(end, high)
             first = (first + page - 1) // page * page  # whole pages inside the tensor only
             last = last // page * page
@@ -303,6 +337,7 @@ def release_mapped_pages(tensors: list[torch.Tensor]) -> int:
     return advised
 
 
+@functools.cache
 def _libc():
     try:
         libc = ctypes.CDLL(None, use_errno=True)

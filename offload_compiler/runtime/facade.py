@@ -22,6 +22,7 @@ from ..policy import OffloadPolicy
 from ..storage import FilledBuckets
 from ..subclasses import leaf_nbytes
 from .device import DeviceStreams, is_accelerator, synchronize_streams
+from .disk import one_read_of_mappings
 from .host import HostStore
 from .pinning import HostRegistrations
 from .slots import size_class
@@ -97,8 +98,9 @@ class OffloadRuntime:
         weakref.finalize(self, _finalize, [] if self.streams is None else self.streams.copy_streams,
                          self.host.registrations)
         if pack_now:
-            for group in self.host.groups:
-                self.host.pack(group, filled)
+            with one_read_of_mappings():
+                for group in self.host.groups:
+                    self.host.pack(group, filled)
         # the model: a weak reference (names in messages) and its weights in no group
         self.model_ref: Callable[[], object] | None = None if model is None else weakref.ref(model)
         self.unmanaged_ids, self.unmanaged_bytes = (set(), 0) if model is None else _unmanaged(model, specs)
