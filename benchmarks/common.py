@@ -98,6 +98,24 @@ def environment() -> dict[str, Any]:
     return env
 
 
+class FullCollections:
+    """A ``gc.callbacks`` entry adding up the seconds spent in full (generation 2) garbage collections: a capture
+    makes enough objects that one may fall inside the span being timed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+
 def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 

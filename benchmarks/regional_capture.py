@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, exact_command, median, write_json  # noqa: E402
+from common import RESULTS, FullCollections, environment, exact_command, median, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("plain-eager", "plain-regional", "ours-eager", "ours-regional")
@@ -58,16 +58,9 @@ def worker(name: str, depth: int, method: str) -> dict:
     torch.compile(lambda t: t * 2 + 1, backend="eager")(torch.ones(4))  # dynamo warmed, untimed
     model, inputs = build(name, depth)
     from offload_compiler import OffloadPolicy, offload_compile, offload_stats
-    full_gc = [0.0, None]
-
-    def timed(phase: str, info: dict) -> None:
-        if info["generation"] == 2:
-            if phase == "start":
-                full_gc[1] = time.perf_counter()
-            elif full_gc[1] is not None:
-                full_gc[0] += time.perf_counter() - full_gc[1]
+    full_gc = FullCollections()
     with torch.no_grad():
-        gc.callbacks.append(timed)
+        gc.callbacks.append(full_gc)
         start = time.perf_counter()
         if method == "plain-eager":
             runs = torch.compile(model, backend="eager")
@@ -80,12 +73,12 @@ def worker(name: str, depth: int, method: str) -> dict:
                                                         regional=method == "ours-regional"))
         runs(**inputs)
         first = time.perf_counter() - start
-        gc.callbacks.remove(timed)
+        gc.callbacks.remove(full_gc)
         start = time.perf_counter()
         runs(**inputs)
         second = time.perf_counter() - start
     moved = offload_stats(runs).bytes_transferred if method.startswith("ours") else 0
-    return {"first_call_s": first, "second_call_s": second, "full_gc_s": full_gc[0], "bytes_moved": moved}
+    return {"first_call_s": first, "second_call_s": second, "full_gc_s": full_gc.seconds, "bytes_moved": moved}
 
 
 def run_fresh(name: str, depth: int, method: str, timeout: int) -> dict:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, exact_command, median, write_json  # noqa: E402
+from common import RESULTS, FullCollections, environment, exact_command, median, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("ours-regional", "plain-regional")
@@ -82,16 +82,9 @@ def worker(depth: int, method: str) -> dict:
     timed(output_graph.OutputGraph, "call_user_compiler", "backend")
     timed(guards.CheckFunctionManager, "__init__", "guards")
     timed(backend.GraphRunner, "__call__", "graph_run")
-    full_gc = [0.0, None]
-
-    def collected(phase: str, info: dict) -> None:
-        if info["generation"] == 2:
-            if phase == "start":
-                full_gc[1] = time.perf_counter()
-            elif full_gc[1] is not None:
-                full_gc[0] += time.perf_counter() - full_gc[1]
+    full_gc = FullCollections()
     with torch.no_grad():
-        gc.callbacks.append(collected)
+        gc.callbacks.append(full_gc)
         start = time.perf_counter()
         if method == "plain-regional":
             block = type(model.transformer_blocks[0])
@@ -102,8 +95,8 @@ def worker(depth: int, method: str) -> dict:
         spans["setup"] = time.perf_counter() - start
         runs(**inputs)
         spans["first_call"] = time.perf_counter() - start
-        gc.callbacks.remove(collected)
-    spans["full_gc"] = full_gc[0]
+        gc.callbacks.remove(full_gc)
+    spans["full_gc"] = full_gc.seconds
     return spans
 
 
