@@ -116,6 +116,17 @@ class FullCollections:
             self._started = None
 
 
+def run_worker(script: str, args: Sequence[str], timeout: int) -> dict:
+    """``script --worker ARGS`` in a fresh process (the repository on its path): the JSON object its last line
+    prints, or ``{"error": [its last line of stderr]}``."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, script, "--worker", *args], cwd=root, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)})
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 

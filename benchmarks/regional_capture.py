@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, FullCollections, environment, exact_command, median, write_json  # noqa: E402
+from common import (RESULTS, FullCollections, environment, exact_command, median, run_worker,  # noqa: E402
+                    write_json)
 
-ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("plain-eager", "plain-regional", "ours-eager", "ours-regional")
 MODELS = ("llama", "dit")
 
@@ -82,12 +81,7 @@ def worker(name: str, depth: int, method: str) -> dict:
 
 
 def run_fresh(name: str, depth: int, method: str, timeout: int) -> dict:
-    command = [sys.executable, __file__, "--worker", name, str(depth), method]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, [name, str(depth), method], timeout)
 
 
 def main(argv: list[str] | None = None) -> dict:
