@@ -181,8 +181,9 @@ _registered = False
 def register_transfer_lowering() -> None:
     """Lower ``transfer`` as the extern call it is, and mark its leaves: never reused for another value
     (they are device slots the runtime owns: inductor reusing one for an activation, or writing in place
-    into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is. ``materialize``
-    and ``linear`` stay the extern calls they are, called past the dispatcher as the transfer is."""
+    into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is. ``materialize``,
+    ``linear``, ``evict`` and ``routed`` stay the extern calls they are, called past the dispatcher as the transfer
+    is."""
     global _registered
     if _registered:
         return
