@@ -35,7 +35,7 @@ import torch.fx as fx
 from ._registry import runtime_by_id
 from ._torch_private import inductor_compile, inductor_fallback, inductor_graph, is_inductor_fallback_kernel, \
     register_inductor_lowering
-from .ops import linear, materialize, transfer_direct
+from .ops import evict, routed, transfer_direct
 from .passes.fuse import fuse_transfers
 from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
                            transfer_view)
@@ -181,14 +181,17 @@ _registered = False
 def register_transfer_lowering() -> None:
     """Lower ``transfer`` as the extern call it is, and mark its leaves: never reused for another value
     (they are device slots the runtime owns: inductor reusing one for an activation, or writing in place
-    into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is. ``materialize``
-    and ``linear`` stay the extern calls they are, called past the dispatcher as the transfer is."""
+    into it, would corrupt a weight) and unaligned where the leaf's offset in its buffer is. ``materialize``,
+    ``linear``, ``evict`` and ``routed`` stay the extern calls they are, called past the dispatcher as the transfer
+    is."""
     global _registered
     if _registered:
         return
     fallback = inductor_fallback(OPS.transfer.default)
     copy_fallback = inductor_fallback(OPS.materialize.default)
     linear_fallback = inductor_fallback(OPS.linear.default)
+    evict_fallback = inductor_fallback(OPS.evict.default)
+    routed_fallback = inductor_fallback(OPS.routed.default)
 
     @register_inductor_lowering(OPS.transfer.default)
     def transfer(runtime: int, plan: int, deps: list):
@@ -209,27 +212,45 @@ def register_transfer_lowering() -> None:
     @register_inductor_lowering(OPS.materialize.default)
     def lower_materialize(value):
         copied = copy_fallback(value)
-        _call_directly(copied, materialize, DIRECT_MATERIALIZE)
+        _call_directly(copied, torch.clone, DIRECT_MATERIALIZE)  # what `ops.materialize` runs, no frame of ours
         return copied
 
     @register_inductor_lowering(OPS.linear.default)
     def lower_linear(input, weight, bias=None):
         out = linear_fallback(input, weight, bias)
-        _call_directly(out, linear, DIRECT_LINEAR)
+        _call_directly(out, torch.nn.functional.linear, DIRECT_LINEAR)  # what `ops.linear` runs (torch's builtin)
         inductor_graph().unaligned_buffers.discard(out.get_name())  # a new tensor, never a view of an input
         return out
+
+    # an evict left unfused (the last group's, after its last reader) and a routed fetch (an embedding's rows):
+    # once per call each, their ops' own Python functions called past the dispatcher too
+    @register_inductor_lowering(OPS.evict.default)
+    def lower_evict(runtime, group, poison, buffers, users, park=False):
+        token = evict_fallback(runtime, group, poison, buffers, users, park)
+        _call_directly(token, evict, DIRECT_EVICT)
+        return token
+
+    @register_inductor_lowering(OPS.routed.default)
+    def lower_routed(runtime, group, slot, ids, bound, expert_bytes, deps):
+        rows = routed_fallback(runtime, group, slot, ids, bound, expert_bytes, deps)
+        _call_directly(rows, routed, DIRECT_ROUTED)
+        inductor_graph().unaligned_buffers.discard(rows.get_name())  # a new tensor, never a view of an input
+        return rows
 
     _registered = True
 
 
 DIRECT_TRANSFER = "offload_transfer"  # the names inductor's generated Python code calls `ops.transfer_direct`
-DIRECT_MATERIALIZE = "offload_materialize"  # the op's own `ops.materialize`
-DIRECT_LINEAR = "offload_linear"  # and the op's own `ops.linear` by
+DIRECT_MATERIALIZE = "offload_materialize"  # ``torch.clone`` (what `ops.materialize` does)
+DIRECT_LINEAR = "offload_linear"  # torch's builtin linear (what `ops.linear` does)
+DIRECT_EVICT = "offload_evict"  # `ops.evict`
+DIRECT_ROUTED = "offload_routed"  # and `ops.routed` by
 
 
 def _call_directly(output, function, name: str) -> None:
-    """Inductor's Python wrapper calls ``function`` itself (`ops.transfer_direct`, or the op's own Python
-    implementation: `ops.materialize`, `ops.linear`),
+    """Inductor's Python wrapper calls ``function`` itself (`ops.transfer_direct`, or the torch builtin the op's
+    own implementation calls: ``torch.clone`` for `ops.materialize`, ``F.linear`` for `ops.linear`, with no Python
+    frame of ours around it: a decode token makes about 75 such calls),
     not the op whose extern kernel made ``output``: an op call from the generated code goes through
     ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the results, and back into Python
     (about 6 µs per transfer and 1 µs per copy on this CPU; a decode token makes 75 copies). Each does what

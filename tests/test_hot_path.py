@@ -15,7 +15,8 @@ from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
 from offload_compiler import lowering
 from offload_compiler.host_masters import HostMaster
-from offload_compiler.lowering import DIRECT_LINEAR, DIRECT_MATERIALIZE, DIRECT_TRANSFER, lower_for_eager
+from offload_compiler.lowering import DIRECT_EVICT, DIRECT_LINEAR, DIRECT_MATERIALIZE, DIRECT_ROUTED, DIRECT_TRANSFER, \
+    lower_for_eager
 from offload_compiler.passes.fuse import fuse_transfers
 from offload_compiler.runtime import OffloadRuntime
 from offload_compiler.testing import BlockSpec, ModelSpec, assert_offload_equivalent, assert_traffic_matches_plan, \
@@ -334,6 +335,10 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
     assert code.count(f"= {DIRECT_LINEAR}(") == linears
     assert "torch.ops.offload_compiler.linear.default(" not in code  # called past the dispatcher
     assert "torch.ops.offload_compiler.materialize.default(" not in code  # called past the dispatcher
+    # the last group's evict (after its last reader) and a routed fetch (the embedding's rows) too
+    assert f"= {DIRECT_EVICT}(" in code and "torch.ops.offload_compiler.evict.default(" not in code
+    assert "torch.ops.offload_compiler.routed.default(" not in code
+    assert build is not _llama or f"= {DIRECT_ROUTED}(" in code  # its embedding's rows
     for got in (_tensor(out), _tensor(again)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)  # NaN fails it
     assert_traffic_matches_plan(m)

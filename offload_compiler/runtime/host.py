@@ -7,6 +7,7 @@ the passes' questions about the layout (`group_of`, `layout`, `remap_between`), 
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
 from typing import Callable
 
@@ -71,6 +72,7 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
         bucket.host = flat
     for leaf in group.leaves:
         leaf.host_ptr = leaf.value.data_ptr()
+    group.pointers = None
     group.staged = tuple(staged)
     group.packed = True
 
@@ -118,6 +120,7 @@ def _packed_on_disk(group: Group) -> None:
     for leaf in group.leaves:
         leaf.host_ptr = leaf.value.data_ptr()
         leaf.host_version = (leaf.value._version,)
+    group.pointers = None
     group.staged = ()
     group.packed = True
 
@@ -155,6 +158,20 @@ def stamp(group: Group) -> tuple:
     storage (`Bucket.owner`), also when another weight over that storage is written (`Leaf.family`)."""
     own = tuple((leaf.value._version, leaf.value.data_ptr()) for leaf in group.leaves)
     return (own, tuple(leaf.family_version() for leaf in group.owners)) if group.owners else own
+
+
+_host = operator.attrgetter("host")
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _master_pointers(group: Group) -> tuple | None:
+    """(the masters, their leaves' ``host_ptr``s) where every leaf of ``group`` is a host master's own bytes
+    (its ``host``: `Leaf.value`), so that `HostStore.refresh` can compare the pointers without a Python call per
+    leaf; None where a leaf is not (a subclass's inner tensor, a plain tensor)."""
+    leaves = group.leaves
+    if not all(not leaf.path and isinstance(leaf.tensor, HostMaster) for leaf in leaves):
+        return None
+    return tuple(leaf.tensor for leaf in leaves), tuple(leaf.host_ptr for leaf in leaves)
 
 
 class HostStore:
@@ -237,9 +254,13 @@ class HostStore:
                         _write_bucket(bucket, [leaf for leaf in group.leaves if leaf.bucket == bi], self.disk_dir)
                 _packed_on_disk(group)
             return
-        for leaf in group.leaves:  # once per leaf per fetch: a plain weight's leaf is the weight itself
-            if leaf.value.data_ptr() != leaf.host_ptr:
-                self._repack(group, leaf)
+        pointers = group.pointers
+        # every fetch: one C-level pass over the masters' data pointers where that says no leaf was replaced
+        if pointers is None or tuple(map(_data_ptr, map(_host, pointers[0]))) != pointers[1]:
+            for leaf in group.leaves:  # a plain weight's leaf is the weight itself
+                if leaf.value.data_ptr() != leaf.host_ptr:
+                    self._repack(group, leaf)
+            group.pointers = _master_pointers(group)
         for leaf in group.staged:  # not its buffer: a write in place, through it or another view of its
             if leaf.family_version() != leaf.host_version:  # storage, shows in their versions only
                 self._repack(group, leaf)

@@ -100,6 +100,9 @@ class Group:
     on_disk: bool = False  # its host buffers are files (`disk`), read at each fill
     packed: bool = False
     staged: tuple[Leaf, ...] = ()  # the owner leaves copied through a staging buffer (set by packing)
+    # (host masters, their ``host_ptr``s) where every leaf is a master's own bytes (`HostStore.refresh`); None:
+    # not known yet, or not such a group (packing sets it to None whenever a ``host_ptr`` changes)
+    pointers: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def nbytes(self) -> int:  # the buckets' sizes are fixed by layout_group
