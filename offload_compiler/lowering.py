@@ -35,7 +35,7 @@ import torch.fx as fx
 from ._registry import runtime_by_id
 from ._torch_private import inductor_compile, inductor_fallback, inductor_graph, is_inductor_fallback_kernel, \
     register_inductor_lowering
-from .ops import evict, routed, transfer_direct
+from . import ops as offload_ops
 from .passes.fuse import fuse_transfers
 from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
                            transfer_view)
@@ -196,7 +196,7 @@ def register_transfer_lowering() -> None:
     @register_inductor_lowering(OPS.transfer.default)
     def transfer(runtime: int, plan: int, deps: list):
         leaves = fallback(runtime, plan, deps)
-        _call_directly(leaves[0] if leaves else None, transfer_direct, DIRECT_TRANSFER)
+        _call_directly(leaves[0] if leaves else None, "transfer_direct", DIRECT_TRANSFER)
         rt = runtime_by_id(runtime)
         group = rt.groups[rt.transfer_group(plan)]
         graph = inductor_graph()
@@ -212,13 +212,13 @@ def register_transfer_lowering() -> None:
     @register_inductor_lowering(OPS.materialize.default)
     def lower_materialize(value):
         copied = copy_fallback(value)
-        _call_directly(copied, torch.clone, DIRECT_MATERIALIZE)  # what `ops.materialize` runs, no frame of ours
+        _call_directly(copied, "direct_clone", DIRECT_MATERIALIZE)  # what `ops.materialize` runs, no frame of ours
         return copied
 
     @register_inductor_lowering(OPS.linear.default)
     def lower_linear(input, weight, bias=None):
         out = linear_fallback(input, weight, bias)
-        _call_directly(out, torch.nn.functional.linear, DIRECT_LINEAR)  # what `ops.linear` runs (torch's builtin)
+        _call_directly(out, "direct_linear", DIRECT_LINEAR)  # what `ops.linear` runs (torch's builtin)
         inductor_graph().unaligned_buffers.discard(out.get_name())  # a new tensor, never a view of an input
         return out
 
@@ -227,13 +227,13 @@ def register_transfer_lowering() -> None:
     @register_inductor_lowering(OPS.evict.default)
     def lower_evict(runtime, group, poison, buffers, users, park=False):
         token = evict_fallback(runtime, group, poison, buffers, users, park)
-        _call_directly(token, evict, DIRECT_EVICT)
+        _call_directly(token, "evict", DIRECT_EVICT)
         return token
 
     @register_inductor_lowering(OPS.routed.default)
     def lower_routed(runtime, group, slot, ids, bound, expert_bytes, deps):
         rows = routed_fallback(runtime, group, slot, ids, bound, expert_bytes, deps)
-        _call_directly(rows, routed, DIRECT_ROUTED)
+        _call_directly(rows, "routed", DIRECT_ROUTED)
         inductor_graph().unaligned_buffers.discard(rows.get_name())  # a new tensor, never a view of an input
         return rows
 
@@ -247,16 +247,18 @@ DIRECT_EVICT = "offload_evict"  # `ops.evict`
 DIRECT_ROUTED = "offload_routed"  # and `ops.routed` by
 
 
-def _call_directly(output, function, name: str) -> None:
-    """Inductor's Python wrapper calls ``function`` itself (`ops.transfer_direct`, or the torch builtin the op's
-    own implementation calls: ``torch.clone`` for `ops.materialize`, ``F.linear`` for `ops.linear`, with no Python
-    frame of ours around it: a decode token makes about 75 such calls),
+def _call_directly(output, function: str, name: str) -> None:
+    """Inductor's Python wrapper calls ``ops.<function>`` itself (`ops.transfer_direct`, or the torch builtin the
+    op's own implementation calls, bound in `ops`: ``direct_clone`` for `ops.materialize`, ``direct_linear`` for
+    `ops.linear`, with no Python frame of ours around it: a decode token makes about 75 such calls), imported by
+    the generated code from `ops` by that name,
     not the op whose extern kernel made ``output``: an op call from the generated code goes through
     ``OpOverload.__call__``, the dispatcher's boxing of the arguments and of the results, and back into Python
     (about 6 µs per transfer and 1 µs per copy on this CPU; a decode token makes 75 copies). Each does what
     the op does, so nothing else changes. An IR this function does not recognise (a torch version that shapes
     it otherwise) keeps the op: correct, only slower. (Our graphs never use inductor's C++ wrapper:
     `_INDUCTOR_CONFIG`.)"""
+    getattr(offload_ops, function)  # a name `ops` defines: the generated code imports it when it runs
     kernel = _fallback_kernel(output)
     if kernel is None:
         return
@@ -265,7 +267,7 @@ def _call_directly(output, function, name: str) -> None:
     def direct_codegen(wrapper) -> None:
         graph = inductor_graph()
         if not graph.cpp_wrapper and not getattr(graph, "fx_wrapper", False):
-            wrapper.add_import_once(f"from {function.__module__} import {function.__name__} as {name}")
+            wrapper.add_import_once(f"from {offload_ops.__name__} import {function} as {name}")
             kernel.python_kernel_name = name
         codegen(wrapper)
 

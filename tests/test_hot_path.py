@@ -345,6 +345,38 @@ def test_inductor_reads_each_materialized_reader_and_no_weight_after_its_evict(b
 
 
 @pytest.mark.slow  # an inductor compile
+def test_inductor_graphs_call_torchs_builtins_whatever_wraps_them_while_lowering(monkeypatch):
+    """The generated code imports what it calls past the dispatcher from `ops`, bound there at import: a wrapper
+    of ``F.linear`` or ``torch.clone`` installed while a graph is lowered (a profiler, a test's probe: a closure,
+    which cannot be imported by its name) neither breaks the compile nor is called by the graph."""
+    from torch._inductor.utils import run_and_get_code
+    model, args, kwargs = _post_norm_stack()
+    calls = []
+
+    def wrapped(original):
+        def wrapper(*a, **k):
+            calls.append(original.__name__)
+            return original(*a, **k)
+        return wrapper
+
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(*args)
+        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu",
+                                                                compiler="inductor"))
+        monkeypatch.setattr(torch.nn.functional, "linear", wrapped(torch.nn.functional.linear))
+        monkeypatch.setattr(torch, "clone", wrapped(torch.clone))
+        out, (code, *_) = run_and_get_code(m, *args)
+        monkeypatch.undo()
+        calls.clear()
+        again = m(*args)
+    assert f"= {DIRECT_LINEAR}(" in code and f"= {DIRECT_MATERIALIZE}(" in code
+    assert "from offload_compiler.ops import direct_linear" in code and "import wrapper" not in code
+    assert calls == []  # the builtins themselves, not the wrappers bound at lowering
+    for got in (out, again):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert_traffic_matches_plan(m)
+
+
 def test_a_linear_under_autocast_is_copied_not_made_opaque():
     """Under autocast a linear's inputs are cast inside it (float32 weight, bfloat16 result): our opaque linear,
     which computes in its inputs' dtype, would not, so such a reader is copied (`ops.materialize`) as any other
