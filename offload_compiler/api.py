@@ -160,9 +160,16 @@ def _saving_line(runtime: OffloadRuntime) -> str | None:
     nbytes, verified = peak
     how = (f"held from the first call on: {held_pool_bytes(runtime) / 2**20:.3f} MiB of device slots, planned over "
            f"the verified graphs" if verified else "estimated before the first call: resident groups + up to "
-           "prefetch+1 device slots of each group size")
+           f"prefetch+1 device slots of each group size{_read_ahead_note(runtime)}")
     return (f"  device weight peak {nbytes / 2**20:.3f} MiB of {total / 2**20:.3f} MiB: {nbytes / total:.0%} of the "
             f"model ({how})")
+
+
+def _read_ahead_note(runtime: OffloadRuntime) -> str:
+    """The estimate counts more slots where groups on disk are read ahead (`savings.peak_estimate`)."""
+    if runtime.policy.prefetch and any(g.on_disk and g.streamed for g in runtime.groups):
+        return ", more for the groups on disk, read up to prefetch+1 reads ahead"
+    return ""
 
 
 def _state(module: Any) -> OffloadState:
