@@ -546,3 +546,26 @@ def _model_estimated(tmp_path, prefetch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return offload_compile(_model(), _policy(tmp_path, prefetch=prefetch, compiler="eager"))
+
+
+def test_the_plan_apis_flag_the_groups_on_disk_as_describe_plan_does_and_the_bytes_read_per_call(tmp_path):
+    from offload_compiler import offload_groups, plan_summary
+
+    m = offload_compile(_model(), _policy(tmp_path, compiler="eager"))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        m(x)
+    reset_offload_stats(m)
+    with torch.no_grad():
+        m(x)
+    rows = [line.split() for line in describe_plan(m).splitlines() if line.lstrip().startswith("group ")]
+    described = {row[2] for row in rows if "from disk" in " ".join(row)}
+    assert len(described) == 4
+    assert {g.name for g in offload_groups(m) if g.on_disk} == described
+    summary = plan_summary(m)
+    assert {g["name"] for g in summary["groups"] if g["on_disk"]} == described
+    assert all(isinstance(g["on_disk"], bool) for g in summary["groups"])
+    assert summary["disk_bytes"] == 4 * BLOCK
+    (graph,) = summary["graphs"]
+    assert graph["disk_bytes_per_call"] == offload_stats(m).disk_bytes_read == 4 * BLOCK
+    assert graph["routed_disk_bytes_at_most_per_call"] == 0
