@@ -160,9 +160,16 @@ def _saving_line(runtime: OffloadRuntime) -> str | None:
     nbytes, verified = peak
     how = (f"held from the first call on: {held_pool_bytes(runtime) / 2**20:.3f} MiB of device slots, planned over "
            f"the verified graphs" if verified else "estimated before the first call: resident groups + up to "
-           "prefetch+1 device slots of each group size")
+           f"prefetch+1 device slots of each group size{_read_ahead_note(runtime)}")
     return (f"  device weight peak {nbytes / 2**20:.3f} MiB of {total / 2**20:.3f} MiB: {nbytes / total:.0%} of the "
             f"model ({how})")
+
+
+def _read_ahead_note(runtime: OffloadRuntime) -> str:
+    """The estimate counts more slots where groups on disk are read ahead (`savings.peak_estimate`)."""
+    if runtime.policy.prefetch and any(g.on_disk and g.streamed for g in runtime.groups):
+        return ", more for the groups on disk, read up to prefetch+1 reads ahead"
+    return ""
 
 
 def _state(module: Any) -> OffloadState:
@@ -218,6 +225,9 @@ class OffloadGroup:
     name: str  # the module path it covers (``model.layers.0``; on a pipeline, ``transformer.blocks.0``)
     nbytes: int  # its weight bytes (a subclass weight's inner tensors: quantized bytes, a rank's shard)
     streamed: bool  # fetched for each use; False: kept on the device (resident), or empty (no bytes)
+    # its host copy is a file of the disk tier (``host_budget_gb``), read at each of its fetches: what
+    # `describe_plan` shows as "streamed from disk"
+    on_disk: bool = False
 
     @property
     def component(self) -> str:
@@ -227,19 +237,22 @@ class OffloadGroup:
 
 def offload_groups(module: Any) -> list[OffloadGroup]:
     """The weight groups of an offloaded model or pipeline, in the runtime's order: name, bytes, streamed or
-    resident (what `describe_plan` prints, as data). Before ``strategy="auto"`` has planned (at its first
+    resident, and ``on_disk`` where its host copy is in the disk tier (what `describe_plan` prints, as data). Before ``strategy="auto"`` has planned (at its first
     call or ``m.plan(...)``): the groups its parts stream meanwhile, one block each, once a part was called;
     none before that."""
     runtime = _runtime(module)
     if runtime is None:
         return []
-    return [OffloadGroup(g.index, g.name, g.nbytes, g.streamed) for g in runtime.groups]
+    return [OffloadGroup(g.index, g.name, g.nbytes, g.streamed, g.on_disk) for g in runtime.groups]
 
 
 def plan_summary(module: Any) -> dict[str, Any]:
     """The plan of an offloaded model as data (what ``offload-compiler plan --json`` prints): each group's name,
-    bytes and residency; each captured graph's fetches per call and verified peak; the device weight peak as a
-    share of the model. Before ``strategy="auto"`` has planned: ``{"model": ..., "planned": False}``."""
+    bytes, residency and ``on_disk`` (its host copy is in the disk tier, ``host_budget_gb``: read at each fetch);
+    each captured graph's fetches per call, the bytes they read from disk per call (``disk_bytes_per_call``;
+    routed fetches of groups on disk read at most ``routed_disk_bytes_at_most_per_call`` more) and verified peak;
+    ``disk_bytes``, the bytes in the disk tier; the device weight peak as a share of the model. Before
+    ``strategy="auto"`` has planned: ``{"model": ..., "planned": False}``."""
     state = _state(module)
     if state.awaits_plan:
         return {"model": state.name, "strategy": state.policy.strategy, "planned": False}
@@ -250,8 +263,14 @@ def runtime_plan_dict(runtime: OffloadRuntime) -> dict[str, Any]:
     """`plan_summary` of ``runtime``."""
     policy = runtime.policy
     groups = [{"index": g.index, "name": g.name, "bytes": g.nbytes, "residency": "streamed" if g.streamed else
-               "resident" if g.nbytes else "empty"} for g in runtime.groups]
+               "resident" if g.nbytes else "empty", "on_disk": g.on_disk} for g in runtime.groups]
+    # a group on disk is read whole from its file at each of its fetches, once per schedule instance a call
+    # (a carried fetch is read by the call before); a routed fetch reads the rows it names, at most its bound
+    disk = {g.index: g.nbytes for g in runtime.groups if g.on_disk}
     graphs = [{"nodes": plan.num_nodes, "fetches_per_call": plan.verified.fetches,
+               "disk_bytes_per_call": sum(disk.get(inst.group, 0) for inst in plan.schedule.instances),
+               "routed_disk_bytes_at_most_per_call": sum(r.bound * r.expert_bytes for r in plan.routed
+                                                         if r.group in disk),
                "predicted_peak_bytes": plan.verified.peak_bytes, "resident_bytes": plan.verified.resident_bytes,
                "streamed_peak_bytes": plan.verified.streamed_peak_bytes, "carried_bytes": plan.verified.carried_bytes,
                "routed_fetches_per_call": plan.verified.routed_fetches,
@@ -267,6 +286,7 @@ def runtime_plan_dict(runtime: OffloadRuntime) -> dict[str, Any]:
             "prefetch": policy.prefetch, "prefetch_next_call": policy.prefetch_next_call,
             "compiler": policy.compiler, "pinned": runtime.pinned, "planned": True, "groups": groups,
             "graphs": graphs, "total_bytes": runtime.total_bytes, "unmanaged_bytes": runtime.unmanaged_bytes,
+            "disk_bytes": runtime.host.disk_bytes,
             "saving": saving}
 
 

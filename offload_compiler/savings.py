@@ -11,6 +11,7 @@ from typing import Iterable
 from torch import nn
 
 from .grouping import BUDGET_SLACK, MODEL_STACKS, ROOT, discover_stacks, join_path, registered_submodule
+from .passes.schedule import Use, build_schedule
 from .passes.slots import class_bytes, slot_kind
 from .policy import OffloadPolicy
 from .runtime.layout import layout_group
@@ -35,18 +36,51 @@ def peak_estimate(groups: Iterable, prefetch: int) -> int:
     prefetch, and never before its own copy in this call is gone, so a carried copy takes the slot of a
     prefetch that does not happen: at most prefetch + 1 groups still (the last ones and the first ones, the
     cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
-    it is waited for (no group's use spans another's)."""
+    it is waited for (no group's use spans another's).
+
+    Groups on disk (``on_disk``, a ``host_budget_gb`` plan) are read further ahead: the schedule's own rule
+    (`passes.schedule.build_schedule` with ``read_ahead``) is run on the groups in order, one use each, and a
+    class or kind needs at least as many slots as it has copies alive at once there."""
     groups = list(groups)
-    classes = [_size_class_of(g) for g in groups if g.streamed]
+    streamed = [g for g in groups if g.streamed]
+    classes = [_size_class_of(g) for g in streamed]
     window = prefetch + 1
+    alive = _alive_at_once(streamed, classes, prefetch)
     by_class: dict[tuple, int] = {}  # kind -> its slots' bytes, per size class
     for cls in set(classes):
-        by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + min(classes.count(cls), window) * class_bytes(cls)
+        count = max(min(classes.count(cls), window), alive.get(cls, 0))
+        by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + count * class_bytes(cls)
     slots = 0
     for kind, nbytes in by_class.items():  # or shared by the kind (at most its window's largest), if smaller
         largest = sorted((class_bytes(c) for c in classes if slot_kind(c) == kind), reverse=True)
-        slots += min(nbytes, sum(largest[:window]))
+        slots += min(nbytes, sum(largest[:max(window, alive.get(kind, 0))]))
     return sum(g.nbytes for g in groups if not g.streamed) + slots
+
+
+def _alive_at_once(streamed: list, classes: list[tuple], prefetch: int) -> dict[tuple, int]:
+    """Per size class and per kind, the most copies alive at once where the streamed groups are used in order,
+    one use each, prefetched where the schedule prefetches them (`build_schedule`, disk groups read ahead).
+    Empty where no group is on disk: the window then holds ``prefetch`` + 1, as the caller counts."""
+    read_ahead = frozenset(i for i, g in enumerate(streamed) if getattr(g, "on_disk", False))
+    if not read_ahead:
+        return {}
+    schedule = build_schedule([Use(i, i, i) for i in range(len(streamed))], prefetch, read_ahead=read_ahead)
+    most: dict[tuple, int] = {}
+    live: dict[tuple, int] = {}
+    for position, group, delta in _slot_changes(schedule):
+        for key in (classes[group], slot_kind(classes[group])):
+            live[key] = live.get(key, 0) + delta
+            most[key] = max(most.get(key, 0), live[key])
+    return most
+
+
+def _slot_changes(schedule) -> list[tuple[int, int, int]]:
+    """(position, group, +1 at its prefetch or -1 at its evict) in the order they run: at a position, the
+    evicts of the instance ending before it first, then the prefetches issued at its wait."""
+    changes = [(schedule.instances[schedule.prefetch_at[inst.index]].start, inst.group, 1)
+               for inst in schedule.instances]
+    changes += [(inst.end + 1, inst.group, -1) for inst in schedule.instances]
+    return sorted(changes, key=lambda c: (c[0], c[2]))
 
 
 def _size_class_of(group) -> tuple:

@@ -521,3 +521,51 @@ def test_a_tensor_is_advised_over_exactly_the_file_mappings_it_overlaps():
     with mock.patch.object(disk, "_file_mappings", lambda: mappings), mock.patch.object(disk, "_libc", lambda: Libc()):
         advised = disk.release_mapped_pages([tensor])
     assert calls == [(base, page), (base + page, page), (base + 3 * page, page)] and advised == 3 * page
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_the_estimate_before_the_first_call_is_the_pool_the_read_ahead_holds(tmp_path, prefetch):
+    """Groups on disk are read prefetch + 1 reads ahead (`passes.schedule._prefetch_points`): the estimate before
+    the first call holds their slots too, and warns as the held pool is over half the model."""
+    from offload_compiler import OffloadSavingWarning, plan_summary
+
+    with pytest.warns(OffloadSavingWarning, match="layerwise keeps up to"):
+        m = offload_compile(_model(), _policy(tmp_path, prefetch=prefetch, compiler="eager"))
+    before = plan_summary(m)["saving"]
+    with torch.no_grad():
+        m(torch.randn(3, 8))
+    after = plan_summary(m)["saving"]
+    assert not before["verified"] and after["verified"]
+    assert before["device_weight_peak_bytes"] == after["device_weight_peak_bytes"] > (prefetch + 1) * BLOCK
+    assert "more for the groups on disk" in describe_plan(_model_estimated(tmp_path, prefetch))
+
+
+def _model_estimated(tmp_path, prefetch):
+    """An offloaded model not yet called (describe_plan shows the estimate)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return offload_compile(_model(), _policy(tmp_path, prefetch=prefetch, compiler="eager"))
+
+
+def test_the_plan_apis_flag_the_groups_on_disk_as_describe_plan_does_and_the_bytes_read_per_call(tmp_path):
+    from offload_compiler import offload_groups, plan_summary
+
+    m = offload_compile(_model(), _policy(tmp_path, compiler="eager"))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        m(x)
+    reset_offload_stats(m)
+    with torch.no_grad():
+        m(x)
+    rows = [line.split() for line in describe_plan(m).splitlines() if line.lstrip().startswith("group ")]
+    described = {row[2] for row in rows if "from disk" in " ".join(row)}
+    assert len(described) == 4
+    assert {g.name for g in offload_groups(m) if g.on_disk} == described
+    summary = plan_summary(m)
+    assert {g["name"] for g in summary["groups"] if g["on_disk"]} == described
+    assert all(isinstance(g["on_disk"], bool) for g in summary["groups"])
+    assert summary["disk_bytes"] == 4 * BLOCK
+    (graph,) = summary["graphs"]
+    assert graph["disk_bytes_per_call"] == offload_stats(m).disk_bytes_read == 4 * BLOCK
+    assert graph["routed_disk_bytes_at_most_per_call"] == 0

@@ -6,6 +6,7 @@ plan_summary's ``saving``, offload_stats, auto's prediction) counted only the co
 peak), 43% of T5 where the device held 100% of it, and auto's plans held more than their device budget."""
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -117,3 +118,31 @@ def test_auto_holds_no_more_than_its_device_budget():
     assert plan.predicted_weights_peak_bytes + m._offload_runtime.unmanaged_bytes == held <= budget
     assert plan_summary(m)["saving"]["device_weight_peak_bytes"] == held
     assert sim.max_memory_allocated() - base <= budget
+
+
+@pytest.mark.parametrize("model_name,layers,prefetch", [("gpt2", 8, 1), ("llama", 6, 1)])
+def test_the_estimate_before_the_first_call_counts_the_slots_disk_groups_are_read_ahead_into(
+        tmp_path, model_name, layers, prefetch):
+    """With a disk tier each group on disk is read prefetch + 1 reads ahead, holding more slots than prefetch + 1:
+    the estimate before the first call counts them, and warns where they hold over half the model."""
+    from offload_compiler import OffloadSavingWarning
+    from offload_compiler.testing import models
+
+    model, inputs = getattr(models, model_name)(layers=layers)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    policy = OffloadPolicy(strategy="layerwise", device=DEVICE, prefetch=prefetch, compiler="eager",
+                           host_budget_gb=0.4 * total / 2**30, disk_dir=str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = offload_compile(model, policy)
+    assert any(g.on_disk for g in m._offload_runtime.groups)
+    before = plan_summary(m)["saving"]
+    assert not before["verified"]
+    with torch.no_grad():
+        m(**_to_device(inputs))
+    after = plan_summary(m)["saving"]
+    assert after["verified"]
+    # the same slots, sized before any graph exists (the pool rounds each slot's buffers up a little)
+    assert before["device_weight_peak_bytes"] == pytest.approx(after["device_weight_peak_bytes"], rel=0.01)
+    warned = any(issubclass(w.category, OffloadSavingWarning) for w in caught)
+    assert warned == (after["share_of_model"] > 0.5)

@@ -9,6 +9,7 @@ skipped, since they test the simulator."""
 import copy
 import gc
 import os
+import threading
 import warnings
 
 import pytest
@@ -104,6 +105,25 @@ def test_memory_counters_follow_allocations():
 
 
 # -- the checker: programs that must pass and must fail --------------------------------------------------------
+
+@simulator_only
+def test_the_current_stream_is_per_thread_as_on_cuda():
+    side = sim.Stream()
+    seen = []
+
+    def other_thread():
+        seen.append(sim.current_stream())  # a new thread starts on the default stream
+        sim.set_stream(side)
+        seen.append(sim.current_stream())
+
+    with sim.stream(side):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert sim.current_stream() == side
+    assert seen == [sim.default_stream(), side]
+    assert sim.current_stream() == sim.default_stream()  # the other thread's set_stream stayed its own
+
 
 @simulator_only
 def test_read_on_another_stream_needs_an_event_wait():
@@ -246,6 +266,35 @@ def test_strategies_match_the_cpu_model_and_move_what_the_plan_says(strategy, fi
     for _ in range(2):
         torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
     assert_traffic_matches_plan(m, resident_filled=True)
+
+
+def test_two_models_called_from_two_threads_keep_their_own_streams():
+    """Each thread's ops run on its own current stream: one model's fetches and compute must not be issued on
+    the stream another thread made current."""
+    models = [build_block_model(SPEC, seed=seed) for seed in (1, 2)]
+    offloaded = [offload_compile(copy.deepcopy(model).eval(), _policy(prefetch=1, prefetch_next_call=(i == 0)))
+                 for i, (model, _) in enumerate(models)]
+    start = threading.Barrier(2)
+    outputs: dict[int, list] = {0: [], 1: []}
+    errors = []
+
+    def calls(i):
+        try:
+            start.wait()
+            for _ in range(4):
+                outputs[i].append(offloaded[i](models[i][1].to(DEVICE)).cpu())
+        except BaseException as error:  # reported on the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, (model, x) in enumerate(models):
+        for got in outputs[i]:
+            torch.testing.assert_close(got, _plain(model, x))
 
 
 def test_prefetch_next_call_uses_the_carried_copies():

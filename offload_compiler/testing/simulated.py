@@ -10,7 +10,8 @@ How it is built (torch's public extension points for an out-of-tree backend, no 
 
 - the PrivateUse1 dispatch key renamed to ``sim`` (permanent for the process) and a device module
   registered for it, reachable as ``torch.get_device_module("sim")`` (`Stream`, `Event`, `current_stream`,
-  `stream`, `synchronize`, memory counters, `graph`);
+  `stream`, `synchronize`, memory counters, `graph`); as on CUDA, the current stream is per host thread
+  (each thread starts on the default stream);
 - device memory: blocks of host memory handed to torch through DLPack with the extension device type, so
   torch frees them like any storage and the allocator hears of it (memory counters, the reuse rule);
 - one catch-all fallback kernel for the key: view ops run torch's own CPU kernels on the device tensors
@@ -206,7 +207,7 @@ class _Checker:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.default = Stream()
-        self.current = self.default
+        self._local = threading.local()  # the current stream is per host thread, as CUDA's
         self.streams: dict[int, Stream] = {self.default.id: self.default}
         self.host: dict[int, int] = {}  # per stream: the work the host knows finished
         self.accesses: dict[int, list[_Access]] = {}  # block address -> accesses not yet superseded
@@ -217,6 +218,15 @@ class _Checker:
         self.allocated = self.peak = 0
         self.capture: _Capture | None = None
         self._captures = itertools.count(1)
+
+    @property
+    def current(self) -> Stream:
+        """The calling thread's current stream: the default stream until that thread sets another."""
+        return getattr(self._local, "stream", self.default)
+
+    @current.setter
+    def current(self, stream: Stream) -> None:
+        self._local.stream = stream
 
     # streams' clocks
     def tick(self, stream: Stream) -> int:
