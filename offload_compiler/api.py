@@ -237,9 +237,9 @@ class OffloadGroup:
 
 def offload_groups(module: Any) -> list[OffloadGroup]:
     """The weight groups of an offloaded model or pipeline, in the runtime's order: name, bytes, streamed or
-    resident, and ``on_disk`` where its host copy is in the disk tier (what `describe_plan` prints, as data). Before ``strategy="auto"`` has planned (at its first
-    call or ``m.plan(...)``): the groups its parts stream meanwhile, one block each, once a part was called;
-    none before that."""
+    resident, and ``on_disk`` where its host copy is in the disk tier (what `describe_plan` prints, as data).
+    Before ``strategy="auto"`` has planned (at its first call or ``m.plan(...)``): the groups its parts stream
+    meanwhile, one block each, once a part was called; none before that."""
     runtime = _runtime(module)
     if runtime is None:
         return []
