@@ -521,3 +521,29 @@ def test_a_tensor_is_advised_over_exactly_the_file_mappings_it_overlaps():
     with mock.patch.object(disk, "_file_mappings", lambda: mappings), mock.patch.object(disk, "_libc", lambda: Libc()):
         advised = disk.release_mapped_pages([tensor])
     assert calls == [(base, page), (base + page, page), (base + 3 * page, page)] and advised == 3 * page
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_after_a_call_reads_its_groups_from_disk(tmp_path):
+    """The disk reads run on a worker thread, which a forked child does not have: the child makes its own."""
+    import signal
+    model, reference = _model(9), _model(9)
+    m = offload_compile(model, _policy(tmp_path, prefetch_next_call=True))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(m(x), expected)  # the worker thread exists, and reads for the next call are in flight
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 for an exact output, 1 otherwise, SIGALRM where it hangs
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # killed, not a handler that a blocked thread never runs
+            signal.alarm(30)
+            with torch.no_grad():
+                code = 0 if torch.equal(m(x), expected) and torch.equal(m(x), expected) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
