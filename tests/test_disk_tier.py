@@ -4,6 +4,7 @@ the traffic, the outputs and every way of changing a weight stay as for groups i
 
 import copy
 import dataclasses
+import gc
 import os
 import platform
 import unittest.mock as mock
@@ -547,3 +548,26 @@ def test_a_child_forked_after_a_call_reads_its_groups_from_disk(tmp_path):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     with torch.no_grad():
         assert torch.equal(m(x), expected)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_the_disk_tier_holds_a_few_descriptors_however_many_groups_it_has(tmp_path):
+    """Each region's tensor views one mapping of the tier's file: a mapping per region would hold a descriptor
+    per group on disk, and a model of a thousand blocks would run out of them (1024 by default)."""
+    model = Stack(d=16, n=96).eval().requires_grad_(False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        reference(x)
+    before = len(os.listdir("/proc/self/fd"))
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", host_budget_gb=0, disk_dir=str(tmp_path)))
+    assert sum(g.on_disk for g in _runtime(m).groups) >= 96
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+    assert len(os.listdir("/proc/self/fd")) - before <= 4
+    files = [b.file for g in _runtime(m).groups for b in g.buckets if b.file is not None]
+    plain = remove_offload(m)
+    assert all(f.fd == -1 for f in files)
+    del m, plain, files
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before  # the mapping's too, with the last tensor viewing it

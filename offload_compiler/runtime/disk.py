@@ -42,8 +42,14 @@ class DiskSpace:
     disk reads a file's consecutive ranges faster than as many files (measured on this project's virtual disk:
     eight 45 MB groups read in turn at 3.2 GB/s as ranges of one file, at 2.2 GB/s as eight files, and at 2.2
     GB/s as ranges of one file read out of order). The file is unlinked as soon as it is made: the descriptor
-    and the mappings keep it, and nothing is left in ``folder`` when the process ends, however it ends. The
-    descriptor closes once every region handed out (`file`) is closed."""
+    and the mapping keep it, and nothing is left in ``folder`` when the process ends, however it ends. The
+    descriptor closes once every region handed out (`file`) is closed.
+
+    The file is mapped once, whole (`mapping`, at the first region mapped), and each region's tensor views
+    that one mapping: a mapping holds a descriptor of its own (``mmap`` duplicates it), so one per region would
+    hold one descriptor per bucket on disk and run a model of a thousand blocks out of the process's
+    descriptors (1024 by default). The tier holds two however many groups it has: the file's and the
+    mapping's, which closes once the last tensor viewing it is freed."""
 
     def __init__(self, folder: str, sizes: Sequence[int]) -> None:
         page = mmap.ALLOCATIONGRANULARITY  # a mapping starts at a multiple of it
@@ -53,6 +59,8 @@ class DiskSpace:
             self.offsets.append(total)
             total += -(-nbytes // page) * page
         self.sizes = list(sizes)
+        self.nbytes = total
+        self._mapping: mmap.mmap | None = None
         fd, self.path = tempfile.mkstemp(prefix="offload-", suffix=".bin", dir=folder)
         try:
             os.unlink(self.path)
@@ -74,11 +82,18 @@ class DiskSpace:
         self.open += 1
         return DiskFile(self, self.offsets[index], self.sizes[index])
 
+    def mapping(self) -> mmap.mmap:
+        """A shared mapping of the whole file (made at the first call; the tensors viewing it keep it alive)."""
+        if self._mapping is None:
+            self._mapping = mmap.mmap(self.fd, self.nbytes)
+        return self._mapping
+
     def release(self) -> None:
         self.open -= 1
         if self.open == 0 and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+            self._mapping = None  # closes with the last tensor viewing it
 
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
@@ -112,13 +127,12 @@ class DiskFile:
             done += os.pwrite(self.fd, view[done:], self.base + offset + done)
 
     def mapped(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The bucket as a flat tensor over a shared mapping of its region (written through to the file)."""
+        """The bucket as a flat tensor viewing its region of the file's shared mapping (written through to it)."""
         os.fdatasync(self.fd)
         _drop_pages(self.fd, self.base, self.nbytes)  # written: not kept in the page cache
         if not numel:
             return torch.empty(0, dtype=dtype)
-        mapping = mmap.mmap(self.fd, self.nbytes, offset=self.base)  # the tensor keeps it alive
-        return torch.frombuffer(mapping, dtype=dtype, count=numel)
+        return torch.frombuffer(self.space.mapping(), dtype=dtype, count=numel, offset=self.base)
 
     def read_into(self, target: torch.Tensor) -> None:
         """The whole bucket into ``target`` (a contiguous host tensor of its size), its pages dropped after."""
