@@ -571,3 +571,24 @@ def test_the_disk_tier_holds_a_few_descriptors_however_many_groups_it_has(tmp_pa
     del m, plain, files
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before  # the mapping's too, with the last tensor viewing it
+
+
+def test_a_checkpoint_replaced_at_its_path_before_the_first_call_is_not_what_the_calls_read(tmp_path):
+    """The groups left in the checkpoint are read through the descriptor opened when it was mapped: the weights
+    (its mapping, what ``state_dict`` shows) and the calls stay the file that was loaded."""
+    from safetensors.torch import save_file
+    reference = _model(13)
+    model, path, folder = _checkpoint(tmp_path, reference)
+    m = offload_compile(model, _policy(folder), checkpoint=path)
+    assert sum(b.file is not None and b.file.read_only for g in _runtime(m).groups for b in g.buckets) == 4
+    other = tmp_path / "other.safetensors"
+    save_file(_model(14).state_dict(), str(other))
+    os.replace(other, path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in m.state_dict().items())
+    files = {id(f): f for g in _runtime(m).groups for b in g.buckets if b.file is not None and b.file.read_only
+             for f in b.file._files.values()}
+    remove_offload(m)
+    assert all(f.fd == -1 for f in files.values())  # closed with the last group that read from it

@@ -156,19 +156,62 @@ class DiskFile:
             self.close()
 
 
+class CheckpointFile:
+    """A checkpoint file opened (read-only) when it is mapped, and its private mapping (`tensor`: its bytes as
+    uint8; a write stays in this process's memory, never in the file). The reads of its extents go through
+    this descriptor, not the path: the mapping and the reads are then the same file even where the path is
+    given another file since (``os.replace``, a checkpoint saved again), as a state dict of the mapping shows
+    what the calls compute with. Closed when the last of its users is done (`release`): the loader, which
+    holds it from the start (a group's extents given up while loading must not close it under the next), and
+    each `CheckpointExtents` reading from it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.users = 1
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(self.fd).st_size
+            # the tensor keeps the mapping alive (it holds a descriptor of its own until then)
+            self.tensor = (torch.frombuffer(mmap.mmap(self.fd, size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+                           if size else torch.empty(0, dtype=torch.uint8))
+        except BaseException:
+            self.close()
+            raise
+
+    def acquire(self) -> "CheckpointFile":
+        self.users += 1
+        return self
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            self.close()
+
+
 class CheckpointExtents:
     """One bucket's bytes where a safetensors checkpoint already holds them: per weight, an extent of a file
-    (``path``, byte ``start``, ``nbytes``) that goes at byte ``at`` of the bucket. The weights are views of a
-    private mapping of the file (``addresses``: where each starts), so nothing is copied at loading; the
-    checkpoint is never written (`HostStore.refresh` moves the group to a file of its own at its first change)."""
+    (``path``, byte ``start``, ``nbytes``) that goes at byte ``at`` of the bucket, read through the descriptor
+    opened when the file was mapped (``files``: path -> `CheckpointFile`). The weights are views of that
+    private mapping (``addresses``: where each starts), so nothing is copied at loading; the checkpoint is never
+    written (`HostStore.refresh` moves the group to a file of its own at its first change)."""
 
     read_only = True
 
-    def __init__(self, extents: list[tuple[str, int, int, int]], addresses: tuple[int, ...]) -> None:
+    def __init__(self, extents: list[tuple[str, int, int, int]], addresses: tuple[int, ...],
+                 files: dict[str, CheckpointFile]) -> None:
         self.extents = extents
         self.addresses = addresses
         self.nbytes = sum(nbytes for _, _, nbytes, _ in extents)
-        self._fds: dict[str, int] = {}
+        self._files = {path: files[path].acquire() for path in dict.fromkeys(path for path, _, _, _ in extents)}
 
     def read_into(self, target: torch.Tensor) -> None:
         """Each extent into its place in ``target`` (a contiguous host tensor of the bucket's size)."""
@@ -190,18 +233,18 @@ class CheckpointExtents:
         raise ValueError(f"bytes {offset}..{offset + len(view)} of a bucket span more than one checkpoint extent")
 
     def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
+        file = self._files.get(path)
+        if file is None or file.fd < 0:
+            raise ValueError(f"{path}: read after its group let the checkpoint go (remove_offload)")
+        return file.fd
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        files, self._files = self._files, {}
+        for file in files.values():
+            file.release()
 
-    def __del__(self) -> None:
-        if hasattr(self, "_fds"):
+    def __del__(self) -> None:  # a runtime collected without unpacking
+        if hasattr(self, "_files"):
             self.close()
 
 
