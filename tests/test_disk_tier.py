@@ -592,3 +592,57 @@ def test_a_checkpoint_replaced_at_its_path_before_the_first_call_is_not_what_the
              for f in b.file._files.values()}
     remove_offload(m)
     assert all(f.fd == -1 for f in files.values())  # closed with the last group that read from it
+
+
+@pytest.mark.parametrize("fault", ["create", "write"])
+def test_a_disk_dir_that_cannot_hold_the_file_is_named_with_the_reason_and_the_fix(tmp_path, monkeypatch, fault):
+    """A directory that exists but where the file cannot be made (a read-only or pseudo file system, which the
+    policy's access check lets through as root) or written: the error names disk_dir, the OS reason and what
+    to do, keeps its type and errno, and the model runs on unchanged."""
+    from offload_compiler.runtime import disk
+    model = _model(15)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    if fault == "create":
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(tmp_path / "offload-x.bin"))
+        monkeypatch.setattr(disk.tempfile, "mkstemp", refused)
+        kind, errno, reason = PermissionError, 13, "Permission denied"
+    else:
+        monkeypatch.setattr(disk.os, "pwrite", mock.Mock(side_effect=OSError(28, "No space left on device")))
+        kind, errno, reason = OSError, 28, "No space left on device"
+    with pytest.raises(kind) as caught:
+        offload_compile(model, _policy(tmp_path))
+    message = str(caught.value)
+    assert caught.value.errno == errno and f"disk_dir={str(tmp_path)!r}" in message and reason in message
+    assert "writable directory on a fast local disk" in message
+    monkeypatch.undo()
+    assert state_of(model) is None and os.listdir(tmp_path) == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_an_os_error_reading_a_group_from_disk_names_the_group_and_the_bytes(tmp_path, monkeypatch, device):
+    """EIO during a fill: the OSError keeps its type and errno, with notes naming the group and the region of
+    the file it was reading; the next call reads again and is exact."""
+    from offload_compiler.testing import simulated_device
+    dev = torch.device("cpu") if device == "cpu" else simulated_device()
+    model, reference = _model(16), _model(16)
+    m = offload_compile(model, _policy(tmp_path, device=dev))
+    names = [g.name for g in _runtime(m).groups if g.on_disk]
+    x = torch.randn(2, 8)
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", mock.Mock(side_effect=OSError(5, "Input/output error")))
+    with pytest.raises(OSError) as caught, torch.no_grad():
+        m(x.to(dev))
+    monkeypatch.setattr(os, "preadv", real)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert caught.value.errno == 5 and type(caught.value) is OSError
+    assert any(f"group {name!r}" in notes for name in names), notes
+    assert "reading bytes " in notes and "offload-" in notes, notes
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.to(dev)).cpu(), reference(x), rtol=0, atol=0)

@@ -60,11 +60,14 @@ class DiskSpace:
             total += -(-nbytes // page) * page
         self.sizes = list(sizes)
         self.nbytes = total
+        self.folder = folder
         self._mapping: mmap.mmap | None = None
-        fd, self.path = tempfile.mkstemp(prefix="offload-", suffix=".bin", dir=folder)
+        with self.errors("making a file"):
+            fd, self.path = tempfile.mkstemp(prefix="offload-", suffix=".bin", dir=folder)
         try:
-            os.unlink(self.path)
-            os.ftruncate(fd, total)  # sparse: a region takes disk space once written
+            with self.errors("sizing the file"):
+                os.unlink(self.path)
+                os.ftruncate(fd, total)  # sparse: a region takes disk space once written
         except BaseException:
             os.close(fd)
             raise
@@ -74,6 +77,19 @@ class DiskSpace:
     @property
     def closed(self) -> bool:
         return self.fd < 0
+
+    @contextlib.contextmanager
+    def errors(self, doing: str) -> Iterator[None]:
+        """An OSError while making, writing or mapping the file says which ``disk_dir``, why, and what to do
+        (the bare error names a file that no longer exists, or a path the user never gave); its type and
+        ``errno`` stay, so a caller's handling of the OS error still applies."""
+        try:
+            yield
+        except OSError as exc:
+            message = (f"disk_dir={self.folder!r} cannot hold the disk tier's file: {doing} failed "
+                       f"({exc.strerror or exc}). The weights beyond host_budget_gb ({self.nbytes / 2**20:.1f} MiB) "
+                       f"are written there: give disk_dir a writable directory on a fast local disk with room for them")
+            raise (type(exc)(exc.errno, message) if exc.errno is not None else type(exc)(message)) from exc
 
     def file(self, index: int) -> "DiskFile":
         """Region ``index`` (of ``sizes``), as a `DiskFile`."""
@@ -85,7 +101,8 @@ class DiskSpace:
     def mapping(self) -> mmap.mmap:
         """A shared mapping of the whole file (made at the first call; the tensors viewing it keep it alive)."""
         if self._mapping is None:
-            self._mapping = mmap.mmap(self.fd, self.nbytes)
+            with self.errors("mapping the file"):
+                self._mapping = mmap.mmap(self.fd, self.nbytes)
         return self._mapping
 
     def release(self) -> None:
@@ -123,12 +140,14 @@ class DiskFile:
         """``tensor``'s bytes (a dense host tensor, in its storage order) at byte ``offset`` of the bucket."""
         view = _memory(tensor)
         done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], self.base + offset + done)
+        with self.space.errors("writing the weights"):
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], self.base + offset + done)
 
     def mapped(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The bucket as a flat tensor viewing its region of the file's shared mapping (written through to it)."""
-        os.fdatasync(self.fd)
+        with self.space.errors("writing the weights"):
+            os.fdatasync(self.fd)
         _drop_pages(self.fd, self.base, self.nbytes)  # written: not kept in the page cache
         if not numel:
             return torch.empty(0, dtype=dtype)
@@ -256,12 +275,16 @@ READ_CHUNK = 4 << 20  # one read call's bytes: a single read of a whole group (1
 def _read(fd: int, view: memoryview, start: int, path: str) -> None:
     """``len(view)`` bytes of the file from byte ``start`` into ``view``, in `READ_CHUNK` reads."""
     done, total = 0, len(view)
-    while done < total:
-        got = os.preadv(fd, [view[done:min(done + READ_CHUNK, total)]], start + done)
-        if not got:
-            raise OSError(f"{path} ended at byte {start + done} while {total - done} more bytes were to be read "
-                          f"(truncated since it was written?)")
-        done += got
+    try:
+        while done < total:
+            got = os.preadv(fd, [view[done:min(done + READ_CHUNK, total)]], start + done)
+            if not got:
+                raise OSError(f"{path} ended at byte {start + done} while {total - done} more bytes were to be "
+                              f"read (truncated since it was written?)")
+            done += got
+    except OSError as exc:
+        exc.add_note(f"reading bytes {start}..{start + total} of {path} (failed at byte {start + done})")
+        raise
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:
