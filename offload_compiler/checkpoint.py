@@ -393,7 +393,7 @@ def _extents(group: Any, sources: dict[int, Entry], mapped: _MappedFiles
     """A group on disk left in the checkpoint's own file: each weight a view of its bytes in a private mapping
     of the file, each bucket the extents a fill reads. None where a weight is not there as the group lays it
     out (absent, another dtype, a strided layout, an offset its dtype cannot start at): the group is then
-    written to a file of its own."""
+    written to the disk tier's file."""
     views: dict[int, torch.Tensor] = {}
     extents = []
     for bi, bucket in enumerate(group.buckets):

@@ -646,3 +646,31 @@ def test_an_os_error_reading_a_group_from_disk_names_the_group_and_the_bytes(tmp
     assert "reading bytes " in notes and "offload-" in notes, notes
     with torch.no_grad():
         torch.testing.assert_close(m(x.to(dev)).cpu(), reference(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_groups_moved_off_the_checkpoint_take_regions_of_the_tiers_one_file(tmp_path):
+    """A group read from the checkpoint's own extents moves, at its first change, to its region of the tier's
+    file, not to a file of its own: changing every weight of a many-block model holds no descriptor per group."""
+    from safetensors.torch import save_file
+    reference = Stack(d=16, n=64).eval().requires_grad_(False)
+    path = tmp_path / "model.safetensors"
+    save_file(reference.state_dict(), str(path))
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    with empty_weights():
+        model = Stack(d=16, n=64).eval()
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", host_budget_gb=0, disk_dir=str(folder)),
+                        checkpoint=path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+        before = len(os.listdir("/proc/self/fd"))
+        for target in (m, reference):
+            for block in target.blocks:
+                block.weight.add_(1e-3)
+        assert torch.equal(m(x), reference(x))
+    assert len(os.listdir("/proc/self/fd")) - before <= 4
+    moved = [b.file for g in _runtime(m).groups if g.on_disk and g.name.startswith("blocks.") for b in g.buckets]
+    assert len(moved) == 64 and not any(f.read_only for f in moved) and len({f.path for f in moved}) == 1
+    assert os.listdir(folder) == []

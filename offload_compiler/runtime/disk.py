@@ -133,7 +133,7 @@ class DiskFile:
 
     @classmethod
     def new(cls, folder: str, nbytes: int) -> "DiskFile":
-        """A bucket in a file of its own (a group moved off the checkpoint's file at its first change)."""
+        """A bucket in a file of its own (`read_bandwidth`'s probe)."""
         return DiskSpace(folder, [nbytes]).file(0)
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
@@ -221,7 +221,7 @@ class CheckpointExtents:
     (``path``, byte ``start``, ``nbytes``) that goes at byte ``at`` of the bucket, read through the descriptor
     opened when the file was mapped (``files``: path -> `CheckpointFile`). The weights are views of that
     private mapping (``addresses``: where each starts), so nothing is copied at loading; the checkpoint is never
-    written (`HostStore.refresh` moves the group to a file of its own at its first change)."""
+    written (`HostStore.refresh` moves the group to its region of the tier's file at its first change)."""
 
     read_only = True
 
