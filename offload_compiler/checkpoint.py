@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .grouping import GroupSpec, plan_groups
 from .host_masters import replace_tensors
-from .runtime.disk import CheckpointExtents, DiskFile, DiskSpace, disk_groups
+from .runtime.disk import CheckpointExtents, CheckpointFile, DiskFile, DiskSpace, disk_groups
 from .runtime.layout import contiguous_stride, layout_group
 from .storage import Filled, FilledBuckets
 
@@ -323,7 +323,11 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
     groups = [layout_group(index, spec) for index, spec in enumerate(specs)]
     on_disk = disk_groups(groups, host_budget) if host_budget is not None else frozenset()
     mapped = _MappedFiles()
-    direct = {group.index: _extents(group, sources, mapped) for group in groups if group.index in on_disk}
+    try:
+        direct = {group.index: _extents(group, sources, mapped) for group in groups if group.index in on_disk}
+    finally:
+        for file in mapped.values():  # what is left open: the files the groups kept read from
+            file.release()
     direct = {index: views for index, views in direct.items() if views is not None}
     buffers: dict[tuple[int, int], torch.Tensor | DiskFile] = {}  # (group, bucket) -> its flat, or its file
     places: dict[int, tuple[Any, tuple[int, int]]] = {}  # weight id -> (its leaf, (group, bucket))
@@ -377,10 +381,10 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, specs: list[Group
 
 
 class _MappedFiles(dict):
-    """Each checkpoint file mapped once, privately (a write stays in this process's memory, never in the file)."""
+    """Each checkpoint file opened and mapped once, privately (`runtime.disk.CheckpointFile`)."""
 
-    def __missing__(self, path: str) -> torch.Tensor:
-        self[path] = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+    def __missing__(self, path: str) -> CheckpointFile:
+        self[path] = CheckpointFile(path)
         return self[path]
 
 
@@ -389,7 +393,7 @@ def _extents(group: Any, sources: dict[int, Entry], mapped: _MappedFiles
     """A group on disk left in the checkpoint's own file: each weight a view of its bytes in a private mapping
     of the file, each bucket the extents a fill reads. None where a weight is not there as the group lays it
     out (absent, another dtype, a strided layout, an offset its dtype cannot start at): the group is then
-    written to a file of its own."""
+    written to the disk tier's file."""
     views: dict[int, torch.Tensor] = {}
     extents = []
     for bi, bucket in enumerate(group.buckets):
@@ -402,13 +406,13 @@ def _extents(group: Any, sources: dict[int, Entry], mapped: _MappedFiles
                     or leaf.stride != contiguous_stride(leaf.shape) or entry.start % itemsize):
                 return None
             try:
-                view = mapped[entry.file][entry.start:entry.end].view(bucket.dtype).view(entry.shape)
-            except RuntimeError:  # a file this process may not map
+                view = mapped[entry.file].tensor[entry.start:entry.end].view(bucket.dtype).view(entry.shape)
+            except (RuntimeError, OSError, ValueError):  # a file this process may not map
                 return None
             views[id(leaf.tensor)] = view
             parts.append((entry.file, entry.start, entry.nbytes, leaf.offset * itemsize))
             addresses.append(view.data_ptr())
-        extents.append(CheckpointExtents(parts, tuple(addresses)))
+        extents.append(CheckpointExtents(parts, tuple(addresses), mapped))
     return views, extents
 
 

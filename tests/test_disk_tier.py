@@ -4,6 +4,7 @@ the traffic, the outputs and every way of changing a weight stay as for groups i
 
 import copy
 import dataclasses
+import gc
 import os
 import platform
 import unittest.mock as mock
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_compiler import (OffloadPolicy, OffloadRefusal, describe_plan, empty_weights, inject_fault,
+from offload_compiler import (OffloadPolicy, describe_plan, empty_weights, inject_fault,
                               offload_compile, offload_stats, remove_offload, reset_offload_stats)
 from offload_compiler.offloaded import state_of
 from fresh_process import BLOCK_BYTES, run, stack_script
@@ -569,3 +570,155 @@ def test_the_plan_apis_flag_the_groups_on_disk_as_describe_plan_does_and_the_byt
     (graph,) = summary["graphs"]
     assert graph["disk_bytes_per_call"] == offload_stats(m).disk_bytes_read == 4 * BLOCK
     assert graph["routed_disk_bytes_at_most_per_call"] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_after_a_call_reads_its_groups_from_disk(tmp_path):
+    """The disk reads run on a worker thread, which a forked child does not have: the child makes its own."""
+    import signal
+    model, reference = _model(9), _model(9)
+    m = offload_compile(model, _policy(tmp_path, prefetch_next_call=True))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(m(x), expected)  # the worker thread exists, and reads for the next call are in flight
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 for an exact output, 1 otherwise, SIGALRM where it hangs
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # killed, not a handler that a blocked thread never runs
+            signal.alarm(30)
+            with torch.no_grad():
+                code = 0 if torch.equal(m(x), expected) and torch.equal(m(x), expected) else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_the_disk_tier_holds_a_few_descriptors_however_many_groups_it_has(tmp_path):
+    """Each region's tensor views one mapping of the tier's file: a mapping per region would hold a descriptor
+    per group on disk, and a model of a thousand blocks would run out of them (1024 by default)."""
+    model = Stack(d=16, n=96).eval().requires_grad_(False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        reference(x)
+    before = len(os.listdir("/proc/self/fd"))
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", host_budget_gb=0, disk_dir=str(tmp_path)))
+    assert sum(g.on_disk for g in _runtime(m).groups) >= 96
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+    assert len(os.listdir("/proc/self/fd")) - before <= 4
+    files = [b.file for g in _runtime(m).groups for b in g.buckets if b.file is not None]
+    plain = remove_offload(m)
+    assert all(f.fd == -1 for f in files)
+    del m, plain, files
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before  # the mapping's too, with the last tensor viewing it
+
+
+def test_a_checkpoint_replaced_at_its_path_before_the_first_call_is_not_what_the_calls_read(tmp_path):
+    """The groups left in the checkpoint are read through the descriptor opened when it was mapped: the weights
+    (its mapping, what ``state_dict`` shows) and the calls stay the file that was loaded."""
+    from safetensors.torch import save_file
+    reference = _model(13)
+    model, path, folder = _checkpoint(tmp_path, reference)
+    m = offload_compile(model, _policy(folder), checkpoint=path)
+    assert sum(b.file is not None and b.file.read_only for g in _runtime(m).groups for b in g.buckets) == 4
+    other = tmp_path / "other.safetensors"
+    save_file(_model(14).state_dict(), str(other))
+    os.replace(other, path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in m.state_dict().items())
+    files = {id(f): f for g in _runtime(m).groups for b in g.buckets if b.file is not None and b.file.read_only
+             for f in b.file._files.values()}
+    remove_offload(m)
+    assert all(f.fd == -1 for f in files.values())  # closed with the last group that read from it
+
+
+@pytest.mark.parametrize("fault", ["create", "write"])
+def test_a_disk_dir_that_cannot_hold_the_file_is_named_with_the_reason_and_the_fix(tmp_path, monkeypatch, fault):
+    """A directory that exists but where the file cannot be made (a read-only or pseudo file system, which the
+    policy's access check lets through as root) or written: the error names disk_dir, the OS reason and what
+    to do, keeps its type and errno, and the model runs on unchanged."""
+    from offload_compiler.runtime import disk
+    model = _model(15)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    if fault == "create":
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(tmp_path / "offload-x.bin"))
+        monkeypatch.setattr(disk.tempfile, "mkstemp", refused)
+        kind, errno, reason = PermissionError, 13, "Permission denied"
+    else:
+        monkeypatch.setattr(disk.os, "pwrite", mock.Mock(side_effect=OSError(28, "No space left on device")))
+        kind, errno, reason = OSError, 28, "No space left on device"
+    with pytest.raises(kind) as caught:
+        offload_compile(model, _policy(tmp_path))
+    message = str(caught.value)
+    assert caught.value.errno == errno and f"disk_dir={str(tmp_path)!r}" in message and reason in message
+    assert "writable directory on a fast local disk" in message
+    monkeypatch.undo()
+    assert state_of(model) is None and os.listdir(tmp_path) == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_an_os_error_reading_a_group_from_disk_names_the_group_and_the_bytes(tmp_path, monkeypatch, device):
+    """EIO during a fill: the OSError keeps its type and errno, with notes naming the group and the region of
+    the file it was reading; the next call reads again and is exact."""
+    from offload_compiler.testing import simulated_device
+    dev = torch.device("cpu") if device == "cpu" else simulated_device()
+    model, reference = _model(16), _model(16)
+    m = offload_compile(model, _policy(tmp_path, device=dev))
+    names = [g.name for g in _runtime(m).groups if g.on_disk]
+    x = torch.randn(2, 8)
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", mock.Mock(side_effect=OSError(5, "Input/output error")))
+    with pytest.raises(OSError) as caught, torch.no_grad():
+        m(x.to(dev))
+    monkeypatch.setattr(os, "preadv", real)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert caught.value.errno == 5 and type(caught.value) is OSError
+    assert any(f"group {name!r}" in notes for name in names), notes
+    assert "reading bytes " in notes and "offload-" in notes, notes
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.to(dev)).cpu(), reference(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_groups_moved_off_the_checkpoint_take_regions_of_the_tiers_one_file(tmp_path):
+    """A group read from the checkpoint's own extents moves, at its first change, to its region of the tier's
+    file, not to a file of its own: changing every weight of a many-block model holds no descriptor per group."""
+    from safetensors.torch import save_file
+    reference = Stack(d=16, n=64).eval().requires_grad_(False)
+    path = tmp_path / "model.safetensors"
+    save_file(reference.state_dict(), str(path))
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    with empty_weights():
+        model = Stack(d=16, n=64).eval()
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", host_budget_gb=0, disk_dir=str(folder)),
+                        checkpoint=path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference(x))
+        before = len(os.listdir("/proc/self/fd"))
+        for target in (m, reference):
+            for block in target.blocks:
+                block.weight.add_(1e-3)
+        assert torch.equal(m(x), reference(x))
+    assert len(os.listdir("/proc/self/fd")) - before <= 4
+    moved = [b.file for g in _runtime(m).groups if g.on_disk and g.name.startswith("blocks.") for b in g.buckets]
+    assert len(moved) == 64 and not any(f.read_only for f in moved) and len({f.path for f in moved}) == 1
+    assert os.listdir(folder) == []

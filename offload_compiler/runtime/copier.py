@@ -17,6 +17,7 @@ CPU competes with compute for the same memory bandwidth; a disk read waits on th
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from typing import Callable
 
@@ -33,6 +34,33 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         if _EXECUTOR is None:
             _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
         return _EXECUTOR
+
+
+def _drain_before_fork() -> None:
+    """Every read issued so far has finished before the process forks: a read in flight would never finish in
+    the child (the worker thread is not copied), and a child waiting for it would hang."""
+    executor = _EXECUTOR
+    if executor is not None:
+        try:
+            executor.submit(_nothing).result()  # one worker, reads in order: done after every read before it
+        except RuntimeError:  # shut down (interpreter exit): nothing more runs on it
+            pass
+
+
+def _fresh_in_child() -> None:
+    """The child of a fork has no worker thread (only the forking thread is copied): it makes its own at its
+    first read, with a lock of its own (the parent's may have been held at the fork)."""
+    global _EXECUTOR, _LOCK
+    _EXECUTOR = None
+    _LOCK = threading.Lock()
+
+
+def _nothing() -> None:
+    pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_drain_before_fork, after_in_child=_fresh_in_child)
 
 
 class CopyWorker:

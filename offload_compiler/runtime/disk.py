@@ -42,8 +42,14 @@ class DiskSpace:
     disk reads a file's consecutive ranges faster than as many files (measured on this project's virtual disk:
     eight 45 MB groups read in turn at 3.2 GB/s as ranges of one file, at 2.2 GB/s as eight files, and at 2.2
     GB/s as ranges of one file read out of order). The file is unlinked as soon as it is made: the descriptor
-    and the mappings keep it, and nothing is left in ``folder`` when the process ends, however it ends. The
-    descriptor closes once every region handed out (`file`) is closed."""
+    and the mapping keep it, and nothing is left in ``folder`` when the process ends, however it ends. The
+    descriptor closes once every region handed out (`file`) is closed.
+
+    The file is mapped once, whole (`mapping`, at the first region mapped), and each region's tensor views
+    that one mapping: a mapping holds a descriptor of its own (``mmap`` duplicates it), so one per region would
+    hold one descriptor per bucket on disk and run a model of a thousand blocks out of the process's
+    descriptors (1024 by default). The tier holds two however many groups it has: the file's and the
+    mapping's, which closes once the last tensor viewing it is freed."""
 
     def __init__(self, folder: str, sizes: Sequence[int]) -> None:
         page = mmap.ALLOCATIONGRANULARITY  # a mapping starts at a multiple of it
@@ -53,10 +59,15 @@ class DiskSpace:
             self.offsets.append(total)
             total += -(-nbytes // page) * page
         self.sizes = list(sizes)
-        fd, self.path = tempfile.mkstemp(prefix="offload-", suffix=".bin", dir=folder)
+        self.nbytes = total
+        self.folder = folder
+        self._mapping: mmap.mmap | None = None
+        with self.errors("making a file"):
+            fd, self.path = tempfile.mkstemp(prefix="offload-", suffix=".bin", dir=folder)
         try:
-            os.unlink(self.path)
-            os.ftruncate(fd, total)  # sparse: a region takes disk space once written
+            with self.errors("sizing the file"):
+                os.unlink(self.path)
+                os.ftruncate(fd, total)  # sparse: a region takes disk space once written
         except BaseException:
             os.close(fd)
             raise
@@ -67,6 +78,19 @@ class DiskSpace:
     def closed(self) -> bool:
         return self.fd < 0
 
+    @contextlib.contextmanager
+    def errors(self, doing: str) -> Iterator[None]:
+        """An OSError while making, writing or mapping the file says which ``disk_dir``, why, and what to do
+        (the bare error names a file that no longer exists, or a path the user never gave); its type and
+        ``errno`` stay, so a caller's handling of the OS error still applies."""
+        try:
+            yield
+        except OSError as exc:
+            message = (f"disk_dir={self.folder!r} cannot hold the disk tier's file: {doing} failed "
+                       f"({exc.strerror or exc}). The weights beyond host_budget_gb ({self.nbytes / 2**20:.1f} MiB) "
+                       f"are written there: give disk_dir a writable directory on a fast local disk with room for them")
+            raise (type(exc)(exc.errno, message) if exc.errno is not None else type(exc)(message)) from exc
+
     def file(self, index: int) -> "DiskFile":
         """Region ``index`` (of ``sizes``), as a `DiskFile`."""
         if self.closed:
@@ -74,11 +98,19 @@ class DiskSpace:
         self.open += 1
         return DiskFile(self, self.offsets[index], self.sizes[index])
 
+    def mapping(self) -> mmap.mmap:
+        """A shared mapping of the whole file (made at the first call; the tensors viewing it keep it alive)."""
+        if self._mapping is None:
+            with self.errors("mapping the file"):
+                self._mapping = mmap.mmap(self.fd, self.nbytes)
+        return self._mapping
+
     def release(self) -> None:
         self.open -= 1
         if self.open == 0 and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+            self._mapping = None  # closes with the last tensor viewing it
 
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
@@ -101,24 +133,25 @@ class DiskFile:
 
     @classmethod
     def new(cls, folder: str, nbytes: int) -> "DiskFile":
-        """A bucket in a file of its own (a group moved off the checkpoint's file at its first change)."""
+        """A bucket in a file of its own (`read_bandwidth`'s probe)."""
         return DiskSpace(folder, [nbytes]).file(0)
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         """``tensor``'s bytes (a dense host tensor, in its storage order) at byte ``offset`` of the bucket."""
         view = _memory(tensor)
         done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], self.base + offset + done)
+        with self.space.errors("writing the weights"):
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], self.base + offset + done)
 
     def mapped(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The bucket as a flat tensor over a shared mapping of its region (written through to the file)."""
-        os.fdatasync(self.fd)
+        """The bucket as a flat tensor viewing its region of the file's shared mapping (written through to it)."""
+        with self.space.errors("writing the weights"):
+            os.fdatasync(self.fd)
         _drop_pages(self.fd, self.base, self.nbytes)  # written: not kept in the page cache
         if not numel:
             return torch.empty(0, dtype=dtype)
-        mapping = mmap.mmap(self.fd, self.nbytes, offset=self.base)  # the tensor keeps it alive
-        return torch.frombuffer(mapping, dtype=dtype, count=numel)
+        return torch.frombuffer(self.space.mapping(), dtype=dtype, count=numel, offset=self.base)
 
     def read_into(self, target: torch.Tensor) -> None:
         """The whole bucket into ``target`` (a contiguous host tensor of its size), its pages dropped after."""
@@ -142,19 +175,62 @@ class DiskFile:
             self.close()
 
 
+class CheckpointFile:
+    """A checkpoint file opened (read-only) when it is mapped, and its private mapping (`tensor`: its bytes as
+    uint8; a write stays in this process's memory, never in the file). The reads of its extents go through
+    this descriptor, not the path: the mapping and the reads are then the same file even where the path is
+    given another file since (``os.replace``, a checkpoint saved again), as a state dict of the mapping shows
+    what the calls compute with. Closed when the last of its users is done (`release`): the loader, which
+    holds it from the start (a group's extents given up while loading must not close it under the next), and
+    each `CheckpointExtents` reading from it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.users = 1
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(self.fd).st_size
+            # the tensor keeps the mapping alive (it holds a descriptor of its own until then)
+            self.tensor = (torch.frombuffer(mmap.mmap(self.fd, size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+                           if size else torch.empty(0, dtype=torch.uint8))
+        except BaseException:
+            self.close()
+            raise
+
+    def acquire(self) -> "CheckpointFile":
+        self.users += 1
+        return self
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            self.close()
+
+
 class CheckpointExtents:
     """One bucket's bytes where a safetensors checkpoint already holds them: per weight, an extent of a file
-    (``path``, byte ``start``, ``nbytes``) that goes at byte ``at`` of the bucket. The weights are views of a
-    private mapping of the file (``addresses``: where each starts), so nothing is copied at loading; the
-    checkpoint is never written (`HostStore.refresh` moves the group to a file of its own at its first change)."""
+    (``path``, byte ``start``, ``nbytes``) that goes at byte ``at`` of the bucket, read through the descriptor
+    opened when the file was mapped (``files``: path -> `CheckpointFile`). The weights are views of that
+    private mapping (``addresses``: where each starts), so nothing is copied at loading; the checkpoint is never
+    written (`HostStore.refresh` moves the group to its region of the tier's file at its first change)."""
 
     read_only = True
 
-    def __init__(self, extents: list[tuple[str, int, int, int]], addresses: tuple[int, ...]) -> None:
+    def __init__(self, extents: list[tuple[str, int, int, int]], addresses: tuple[int, ...],
+                 files: dict[str, CheckpointFile]) -> None:
         self.extents = extents
         self.addresses = addresses
         self.nbytes = sum(nbytes for _, _, nbytes, _ in extents)
-        self._fds: dict[str, int] = {}
+        self._files = {path: files[path].acquire() for path in dict.fromkeys(path for path, _, _, _ in extents)}
 
     def read_into(self, target: torch.Tensor) -> None:
         """Each extent into its place in ``target`` (a contiguous host tensor of the bucket's size)."""
@@ -176,18 +252,18 @@ class CheckpointExtents:
         raise ValueError(f"bytes {offset}..{offset + len(view)} of a bucket span more than one checkpoint extent")
 
     def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
+        file = self._files.get(path)
+        if file is None or file.fd < 0:
+            raise ValueError(f"{path}: read after its group let the checkpoint go (remove_offload)")
+        return file.fd
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        files, self._files = self._files, {}
+        for file in files.values():
+            file.release()
 
-    def __del__(self) -> None:
-        if hasattr(self, "_fds"):
+    def __del__(self) -> None:  # a runtime collected without unpacking
+        if hasattr(self, "_files"):
             self.close()
 
 
@@ -199,12 +275,16 @@ READ_CHUNK = 4 << 20  # one read call's bytes: a single read of a whole group (1
 def _read(fd: int, view: memoryview, start: int, path: str) -> None:
     """``len(view)`` bytes of the file from byte ``start`` into ``view``, in `READ_CHUNK` reads."""
     done, total = 0, len(view)
-    while done < total:
-        got = os.preadv(fd, [view[done:min(done + READ_CHUNK, total)]], start + done)
-        if not got:
-            raise OSError(f"{path} ended at byte {start + done} while {total - done} more bytes were to be read "
-                          f"(truncated since it was written?)")
-        done += got
+    try:
+        while done < total:
+            got = os.preadv(fd, [view[done:min(done + READ_CHUNK, total)]], start + done)
+            if not got:
+                raise OSError(f"{path} ended at byte {start + done} while {total - done} more bytes were to be "
+                              f"read (truncated since it was written?)")
+            done += got
+    except OSError as exc:
+        exc.add_note(f"reading bytes {start}..{start + total} of {path} (failed at byte {start + done})")
+        raise
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:

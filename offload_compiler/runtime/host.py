@@ -83,7 +83,7 @@ def pack_to_disk(group: Group, folder: str, filled: FilledBuckets | None = None,
     (``region(bucket index)``; without it, a file of its own: `disk.DiskFile`) and the leaves become views of
     its mapping; host memory keeps nothing of them. A bucket loaded from a
     checkpoint keeps what the loader made: its file, or the checkpoint's own extents (read-only: the first
-    write into them moves the group to a file of its own, `HostStore.refresh`). A leaf that cannot be packed
+    write into them moves the group to its region of the tier's file, `HostStore.refresh`). A leaf that cannot be packed
     (`Bucket.owner`) keeps its own storage, as in memory."""
     for bi, bucket in enumerate(group.buckets):
         if bucket.owner is not None or bucket.host is not None or bucket.file is not None:
@@ -243,15 +243,17 @@ class HostStore:
 
     def refresh(self, group: Group) -> None:
         """A leaf whose data was replaced since packing (``.data``, an inner tensor) is copied back into the
-        flat buffer. A group read from a checkpoint's own extents moves to a file of its own at the first
-        change of any of its weights (the checkpoint is never written; a fill reads the file)."""
+        flat buffer. A group read from a checkpoint's own extents moves to its region of the disk tier's file at
+        the first change of any of its weights (the checkpoint is never written; a fill reads the file)."""
         if group.on_disk and any(b.file is not None and b.file.read_only for b in group.buckets):
             if any(leaf.value.data_ptr() != leaf.host_ptr or (leaf.value._version,) != leaf.host_version
                    for leaf in group.leaves):
                 self.wait_for_copies()
                 for bi, bucket in enumerate(group.buckets):
-                    if bucket.file is not None and bucket.file.read_only:
-                        _write_bucket(bucket, [leaf for leaf in group.leaves if leaf.bucket == bi], self.disk_dir)
+                    if bucket.file is not None and bucket.file.read_only:  # its region of the tier's file,
+                        # unused while the checkpoint held it: a file per group would hold descriptors per group
+                        _write_bucket(bucket, [leaf for leaf in group.leaves if leaf.bucket == bi], self.disk_dir,
+                                      self._region(group.index, bi))
                 _packed_on_disk(group)
             return
         pointers = group.pointers

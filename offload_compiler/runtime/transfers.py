@@ -64,9 +64,9 @@ def _read_experts(file, leaf, experts: list[int], expert_bytes: int) -> torch.Te
 def _copy_group(buffers: list[torch.Tensor], group: Group) -> None:
     """A group's host buffers into a slot's buffers on the CPU: a group on disk read from its files, past the
     page cache."""
-    for buf, bucket in zip(buffers, group.buckets):
+    for bi, (buf, bucket) in enumerate(zip(buffers, group.buckets)):
         if bucket.file is not None:
-            bucket.file.read_into(buf)
+            _read_bucket(bucket, buf, group, bi)
         else:
             buf.copy_(bucket.source())
 
@@ -74,9 +74,20 @@ def _copy_group(buffers: list[torch.Tensor], group: Group) -> None:
 def _read_staged(staging: list[torch.Tensor | None], group: Group) -> None:
     """A group's buckets on disk into their host staging buffers (None: a bucket in memory), past the page
     cache."""
-    for buffer, bucket in zip(staging, group.buckets):
+    for bi, (buffer, bucket) in enumerate(zip(staging, group.buckets)):
         if buffer is not None:
-            bucket.file.read_into(buffer)
+            _read_bucket(bucket, buffer, group, bi)
+
+
+def _read_bucket(bucket, target: torch.Tensor, group: Group, index: int) -> None:
+    """A bucket on disk into ``target``; an OS error (EIO, a file truncated) keeps its type and says which group
+    it was reading, beside the bytes and the file the read itself names."""
+    try:
+        bucket.file.read_into(target)
+    except OSError as exc:
+        exc.add_note(f"offload_compiler: reading group {group.name!r} (bucket {index}, {bucket.nbytes} bytes, "
+                     f"{bucket.dtype}) from the disk tier")
+        raise
 
 
 # what a call moved, counted since the last reset: one list, so that a counter added is reset and carried over
