@@ -94,6 +94,11 @@ def test_layerwise_llama_moves_the_quantized_bytes(config):
     assert moved == quantized < unquantized  # every weight once per call: its inner tensors' bytes
     assert offload_stats(m).total_bytes == quantized
     _assert_bit_exact(model, snapshot)
+    # a group of subclass weights is known, once, not to be checked by its masters' pointers: each fetch compares
+    # its leaves one by one, and never re-decides that
+    from offload_compiler.offloaded import state_of
+    quantized_groups = [g for g in state_of(m).runtime.groups if g.streamed and any(leaf.path for leaf in g.leaves)]
+    assert quantized_groups and all(g.pointers == () for g in quantized_groups)
 
 
 @pytest.mark.slow  # a quantized model captured

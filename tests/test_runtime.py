@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from capture import capture
+from offload_compiler.offloaded import state_of
 from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats
 from offload_compiler.backend import rewrite_graph
 from offload_compiler.grouping import plan_groups
@@ -65,6 +66,10 @@ def test_weights_changed_after_compiling_are_used():
         assert torch.equal(m(x), model(x).detach())
         stats = offload_stats(m)  # the new weights reached the device: the calls moved them
         assert stats.fetch_count >= 4 and stats.bytes_transferred >= stats.streamed_bytes * 4
+        m(x)  # once more with nothing replaced: each fetch checks its masters' pointers in one pass
+        streamed = [g for g in state_of(m).runtime.groups if g.streamed]
+        assert (streamed or strategy == "none") and all(g.pointers and len(g.pointers[0]) == len(g.leaves)
+                                                         for g in streamed)
 
 
 class Mixed(nn.Module):

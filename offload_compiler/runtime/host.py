@@ -77,11 +77,10 @@ def pack_group(group: Group, pin: bool, on_pin_failure: Callable[[str], None] | 
     group.packed = True
 
 
-def pack_to_disk(group: Group, folder: str, filled: FilledBuckets | None = None,
-                 region: Callable[[int], DiskFile] | None = None) -> None:
+def pack_to_disk(group: Group, region: Callable[[int], DiskFile], filled: FilledBuckets | None = None) -> None:
     """`pack_group` for a group on disk: each bucket's bytes go into its region of the disk tier's file
-    (``region(bucket index)``; without it, a file of its own: `disk.DiskFile`) and the leaves become views of
-    its mapping; host memory keeps nothing of them. A bucket loaded from a
+    (``region(bucket index)``) and the leaves become views of its mapping; host memory keeps nothing of them.
+    A bucket loaded from a
     checkpoint keeps what the loader made: its file, or the checkpoint's own extents (read-only: the first
     write into them moves the group to its region of the tier's file, `HostStore.refresh`). A leaf that cannot be packed
     (`Bucket.owner`) keeps its own storage, as in memory."""
@@ -93,14 +92,12 @@ def pack_to_disk(group: Group, folder: str, filled: FilledBuckets | None = None,
         if laid_out is not None and laid_out.file is not None:
             bucket.host, bucket.file = laid_out.flat, laid_out.file
         else:
-            _write_bucket(bucket, members, folder, region(bi) if region is not None else None)
+            _write_bucket(bucket, members, region(bi))
     _packed_on_disk(group)
 
 
-def _write_bucket(bucket: Bucket, members: list[Leaf], folder: str, file: DiskFile | None = None) -> None:
-    """The members' bytes (as they are now) into ``file`` (else a new file) in the bucket's layout; they become
-    views of it."""
-    file = DiskFile.new(folder, bucket.nbytes) if file is None else file
+def _write_bucket(bucket: Bucket, members: list[Leaf], file: DiskFile) -> None:
+    """The members' bytes (as they are now) into ``file`` in the bucket's layout; they become views of it."""
     itemsize = bucket.dtype.itemsize
     with torch.no_grad():
         for leaf in members:
@@ -164,13 +161,13 @@ _host = operator.attrgetter("host")
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _master_pointers(group: Group) -> tuple | None:
+def _master_pointers(group: Group) -> tuple:
     """(the masters, their leaves' ``host_ptr``s) where every leaf of ``group`` is a host master's own bytes
     (its ``host``: `Leaf.value`), so that `HostStore.refresh` can compare the pointers without a Python call per
-    leaf; None where a leaf is not (a subclass's inner tensor, a plain tensor)."""
+    leaf; ``()`` where a leaf is not (a subclass's inner tensor, a plain tensor): it never becomes one."""
     leaves = group.leaves
     if not all(not leaf.path and isinstance(leaf.tensor, HostMaster) for leaf in leaves):
-        return None
+        return ()
     return tuple(leaf.tensor for leaf in leaves), tuple(leaf.host_ptr for leaf in leaves)
 
 
@@ -212,7 +209,7 @@ class HostStore:
         """``filled``: buffers a checkpoint was read into, taken as the group's where laid out as it lays them out."""
         with torch.inference_mode(False):  # deferred to the first call, which may run in inference mode
             if group.on_disk:
-                pack_to_disk(group, self.disk_dir, filled, lambda bucket: self._region(group.index, bucket))
+                pack_to_disk(group, lambda bucket: self._region(group.index, bucket), filled)
             else:
                 pack_group(group, self.pinned, self._pinning_failed, self.registrations, self.stage_owners, filled)
 
@@ -252,17 +249,20 @@ class HostStore:
                 for bi, bucket in enumerate(group.buckets):
                     if bucket.file is not None and bucket.file.read_only:  # its region of the tier's file,
                         # unused while the checkpoint held it: a file per group would hold descriptors per group
-                        _write_bucket(bucket, [leaf for leaf in group.leaves if leaf.bucket == bi], self.disk_dir,
+                        _write_bucket(bucket, [leaf for leaf in group.leaves if leaf.bucket == bi],
                                       self._region(group.index, bi))
                 _packed_on_disk(group)
             return
         pointers = group.pointers
+        if pointers is None:  # first fetch since packing
+            pointers = group.pointers = _master_pointers(group)
         # every fetch: one C-level pass over the masters' data pointers where that says no leaf was replaced
-        if pointers is None or tuple(map(_data_ptr, map(_host, pointers[0]))) != pointers[1]:
+        if not pointers or tuple(map(_data_ptr, map(_host, pointers[0]))) != pointers[1]:
             for leaf in group.leaves:  # a plain weight's leaf is the weight itself
                 if leaf.value.data_ptr() != leaf.host_ptr:
                     self._repack(group, leaf)
-            group.pointers = _master_pointers(group)
+            if pointers:
+                group.pointers = None  # a leaf repacked: its new pointer is read at the next fetch
         for leaf in group.staged:  # not its buffer: a write in place, through it or another view of its
             if leaf.family_version() != leaf.host_version:  # storage, shows in their versions only
                 self._repack(group, leaf)

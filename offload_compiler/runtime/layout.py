@@ -100,8 +100,8 @@ class Group:
     on_disk: bool = False  # its host buffers are files (`disk`), read at each fill
     packed: bool = False
     staged: tuple[Leaf, ...] = ()  # the owner leaves copied through a staging buffer (set by packing)
-    # (host masters, their ``host_ptr``s) where every leaf is a master's own bytes (`HostStore.refresh`); None:
-    # not known yet, or not such a group (packing sets it to None whenever a ``host_ptr`` changes)
+    # (host masters, their ``host_ptr``s) where every leaf is a master's own bytes (`HostStore.refresh`); ():
+    # not such a group; None: not known yet (packing and a repack set it to None: a ``host_ptr`` changed)
     pointers: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
