@@ -12,7 +12,7 @@ from torch import nn
 
 from .grouping import BUDGET_SLACK, MODEL_STACKS, ROOT, discover_stacks, join_path, registered_submodule
 from .passes.schedule import Use, build_schedule
-from .passes.slots import class_bytes, slot_kind
+from .passes.slots import class_bytes, schedule_pool_bytes, slot_kind
 from .policy import OffloadPolicy
 from .runtime.layout import layout_group
 from .runtime.slots import size_class
@@ -38,49 +38,26 @@ def peak_estimate(groups: Iterable, prefetch: int) -> int:
     cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
     it is waited for (no group's use spans another's).
 
-    Groups on disk (``on_disk``, a ``host_budget_gb`` plan) are read further ahead: the schedule's own rule
-    (`passes.schedule.build_schedule` with ``read_ahead``) is run on the groups in order, one use each, and a
-    class or kind needs at least as many slots as it has copies alive at once there."""
+    Groups on disk (``on_disk``, a ``host_budget_gb`` plan) are read further ahead: the pool is then the one
+    the backend makes (`passes.slots.schedule_pool_bytes`) for the schedule's own rule (`build_schedule` with
+    ``read_ahead``) over the streamed groups in order, one use each."""
     groups = list(groups)
     streamed = [g for g in groups if g.streamed]
     classes = [_size_class_of(g) for g in streamed]
+    resident = sum(g.nbytes for g in groups if not g.streamed)
+    read_ahead = frozenset(i for i, g in enumerate(streamed) if getattr(g, "on_disk", False))
+    if read_ahead:
+        schedule = build_schedule([Use(i, i, i) for i in range(len(streamed))], prefetch, read_ahead=read_ahead)
+        return resident + schedule_pool_bytes(schedule, classes.__getitem__)
     window = prefetch + 1
-    alive = _alive_at_once(streamed, classes, prefetch)
     by_class: dict[tuple, int] = {}  # kind -> its slots' bytes, per size class
     for cls in set(classes):
-        count = max(min(classes.count(cls), window), alive.get(cls, 0))
-        by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + count * class_bytes(cls)
+        by_class[slot_kind(cls)] = by_class.get(slot_kind(cls), 0) + min(classes.count(cls), window) * class_bytes(cls)
     slots = 0
     for kind, nbytes in by_class.items():  # or shared by the kind (at most its window's largest), if smaller
         largest = sorted((class_bytes(c) for c in classes if slot_kind(c) == kind), reverse=True)
-        slots += min(nbytes, sum(largest[:max(window, alive.get(kind, 0))]))
-    return sum(g.nbytes for g in groups if not g.streamed) + slots
-
-
-def _alive_at_once(streamed: list, classes: list[tuple], prefetch: int) -> dict[tuple, int]:
-    """Per size class and per kind, the most copies alive at once where the streamed groups are used in order,
-    one use each, prefetched where the schedule prefetches them (`build_schedule`, disk groups read ahead).
-    Empty where no group is on disk: the window then holds ``prefetch`` + 1, as the caller counts."""
-    read_ahead = frozenset(i for i, g in enumerate(streamed) if getattr(g, "on_disk", False))
-    if not read_ahead:
-        return {}
-    schedule = build_schedule([Use(i, i, i) for i in range(len(streamed))], prefetch, read_ahead=read_ahead)
-    most: dict[tuple, int] = {}
-    live: dict[tuple, int] = {}
-    for position, group, delta in _slot_changes(schedule):
-        for key in (classes[group], slot_kind(classes[group])):
-            live[key] = live.get(key, 0) + delta
-            most[key] = max(most.get(key, 0), live[key])
-    return most
-
-
-def _slot_changes(schedule) -> list[tuple[int, int, int]]:
-    """(position, group, +1 at its prefetch or -1 at its evict) in the order they run: at a position, the
-    evicts of the instance ending before it first, then the prefetches issued at its wait."""
-    changes = [(schedule.instances[schedule.prefetch_at[inst.index]].start, inst.group, 1)
-               for inst in schedule.instances]
-    changes += [(inst.end + 1, inst.group, -1) for inst in schedule.instances]
-    return sorted(changes, key=lambda c: (c[0], c[2]))
+        slots += min(nbytes, sum(largest[:window]))
+    return resident + slots
 
 
 def _size_class_of(group) -> tuple:
