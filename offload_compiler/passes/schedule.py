@@ -92,10 +92,10 @@ def _prefetch_points(instances: tuple[Instance, ...], prefetch: int, read_ahead:
     """Instance i is prefetched at the wait of instance i - prefetch, but never before the previous copy of
     its group was evicted (a weight used at both ends must not be on the device twice), and in order -- except
     an instance of a ``read_ahead`` group (on disk), prefetched at the wait of the read-ahead instance
-    ``prefetch + 1`` before it where that is earlier, the first ``prefetch + 1`` at the call's start: a read takes longer than a
-    copy from memory, and the worker reads one file at a time, in the order issued, so the reads are issued by
-    their own count, not by the groups between them: the disk reads from the call's start, the reads overlap
-    the groups in memory between them, and when a read ends the next one is already queued even where the call
+    ``prefetch + 1`` before it where that is earlier, the first ``prefetch + 1`` at the call's start: a read
+    takes longer than a copy from memory, and the worker reads one file at a time, in the order issued, so the
+    reads are issued by their own count, not by the groups between them: the disk reads from the call's start,
+    the reads overlap the groups in memory between them, and when a read ends the next one is already queued even where the call
     has not yet reached the group just read (it computes groups in memory before it). Its slot is held from
     there: the plan's peak counts it."""
     points: list[int] = []
