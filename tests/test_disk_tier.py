@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from offload_compiler import (OffloadPolicy, describe_plan, empty_weights, inject_fault,
-                              offload_compile, offload_stats, remove_offload, reset_offload_stats)
+                              offload_compile, offload_stats, plan_summary, remove_offload, reset_offload_stats)
 from offload_compiler.offloaded import state_of
 from fresh_process import BLOCK_BYTES, run, stack_script
 
@@ -589,7 +589,11 @@ def test_a_child_forked_after_a_call_reads_its_groups_from_disk(tmp_path):
             signal.signal(signal.SIGALRM, signal.SIG_DFL)  # killed, not a handler that a blocked thread never runs
             signal.alarm(30)
             with torch.no_grad():
-                code = 0 if torch.equal(m(x), expected) and torch.equal(m(x), expected) else 1
+                reset_offload_stats(m)
+                exact = torch.equal(m(x), expected) and torch.equal(m(x), expected)
+            # and it streamed from disk: each call read the plan's bytes from the file
+            planned = plan_summary(m)["graphs"][0]["disk_bytes_per_call"]
+            code = 0 if exact and planned > 0 and offload_stats(m).disk_bytes_read == 2 * planned else 1
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
@@ -612,6 +616,8 @@ def test_the_disk_tier_holds_a_few_descriptors_however_many_groups_it_has(tmp_pa
     assert sum(g.on_disk for g in _runtime(m).groups) >= 96
     with torch.no_grad():
         assert torch.equal(m(x), reference(x))
+    # every block read from its region of the file at each call
+    assert offload_stats(m).disk_bytes_read == plan_summary(m)["graphs"][0]["disk_bytes_per_call"] >= 96 * 16 * 17 * 4
     assert len(os.listdir("/proc/self/fd")) - before <= 4
     files = [b.file for g in _runtime(m).groups for b in g.buckets if b.file is not None]
     plain = remove_offload(m)
