@@ -19,14 +19,22 @@ them). Where a touch point is missing, what needs it does what it did without it
    `hooks_see_the_active_collector` shows the traced hooks the collector active in Python the way transformers
    does under compile. Missing or changed: hooks graph-break as before (correct, one graph per hooked piece).
    Test: ``test_traced_hooks_read_the_collector_without_a_graph_break``.
+3. The checkpoint conversion of ``from_pretrained`` (``conversion_mapping.get_model_conversion_mapping``, which
+   peft calls too, and ``core_model_loading.rename_source_key``, ``WeightConverter``, ``MergeModulelist``,
+   ``Concatenate``): the names ``save_pretrained`` writes that the model holds under others, and the experts it
+   writes one by one that the model holds fused (`checkpoint_names`). transformers has no public call that maps
+   a checkpoint's names without loading its tensors. Missing: a checkpoint is read under the model's own names
+   only, and one saved expert by expert is refused naming the fix.
+   Test: ``test_checkpoint_names_follow_from_pretrained``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from torch import nn
 
@@ -114,3 +122,74 @@ def hooks_see_the_active_collector() -> Iterator[None]:
             yield
         finally:
             var.compiling, var.global_var = saved
+
+
+# -- 3: the names from_pretrained loads a checkpoint under --------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Merged:
+    """A checkpoint tensor that ``from_pretrained`` converts into a model weight: one expert's piece (``part`` of
+    ``parts``: gate then up, concatenated along the expert's first dimension) of a fused expert weight, the
+    experts stacked in the order of their names; or one tensor transposed. ``unsupported``: the conversion's
+    operations, where they are neither (nothing of such a weight is read)."""
+    part: int
+    parts: int
+    unsupported: str | None = None
+    transpose: tuple[int, int, bool] | None = None  # a tensor transposed (dims), where its shape is not the weight's
+    #   (True) or always (False); one piece, ``part`` 0 of 1
+
+
+def _conversion() -> Any:
+    """transformers' conversion functions where transformers is loaded and has them, else None."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose, WeightConverter, \
+            rename_source_key
+    except ImportError:  # a transformers version without weight conversion
+        return None
+    return PreTrainedModel, get_model_conversion_mapping, rename_source_key, WeightConverter, \
+        (MergeModulelist, Concatenate, Transpose)
+
+
+def checkpoint_names(model: nn.Module, keys: Iterable[str], names: Iterable[str]
+                     ) -> dict[str, tuple[str, Merged | None]]:
+    """For a transformers model: each checkpoint name in ``keys`` that ``from_pretrained`` loads under another of the
+    model's ``names`` -> (that name, None), and each it converts -> (the weight's name, how it is `Merged`);
+    names it loads as they are, or not at all, are left out. Empty for any other model."""
+    found = _conversion()
+    if found is None or not isinstance(model, found[0]):
+        return {}
+    _, mapping, rename, converter_type, operation_types = found
+    transforms = mapping(model)
+    converters = [t for t in transforms if isinstance(t, converter_type)]
+    renamings = [t for t in transforms if not isinstance(t, converter_type)]
+    present = dict.fromkeys(names, True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    result: dict[str, tuple[str, Merged | None]] = {}
+    for key in keys:
+        for converter in converters:
+            target, pattern = rename(key, renamings, [converter], prefix, present)
+            if pattern is not None:
+                result[key] = (target, _merged(converter, pattern, *operation_types))
+                break
+        else:
+            target, _ = rename(key, renamings, [], prefix, present)
+            if target != key and target in present:
+                result[key] = (target, None)
+    return result
+
+
+def _merged(converter: Any, pattern: str, merge_type: type, concat_type: type, transpose_type: type) -> Merged:
+    operations = list(converter.operations)
+    sources = list(converter.source_patterns)
+    kinds = [(type(op), getattr(op, "dim", None)) for op in operations]
+    if len(sources) == 1 and len(operations) == 1 and type(operations[0]) is transpose_type:
+        op = operations[0]
+        return Merged(0, 1, transpose=(op.dim0, op.dim1, bool(getattr(op, "check_dims", False))))
+    stacked = kinds[:1] == [(merge_type, 0)] and (kinds[1:] == [] and len(sources) == 1
+                                                   or kinds[1:] == [(concat_type, 1)])
+    return Merged(sources.index(pattern), len(sources),
+                  None if stacked else ", ".join(type(op).__name__ for op in operations))

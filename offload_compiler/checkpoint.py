@@ -6,6 +6,9 @@ from the checkpoint directly into its place in its group's flat host buffer, as 
 (`runtime.layout.layout_group`), so packing finds the buffers ready and copies nothing: host memory grows by
 the model's bytes and no more, and the model is never materialised anywhere else first.
 
+A transformers model's checkpoint is read under the names ``from_pretrained`` gives its tensors: renamed ones,
+experts written one by one read into their fused weight, tensors held transposed transposed (`converted`).
+
 Safetensors only: its header is JSON and its data raw bytes, so a file a user names cannot run code when
 loaded (a pickled ``.bin``/``.pt`` can). Everything is checked before any byte is read — every weight present
 with its shape, every byte range inside its file — so a truncated or mismatched checkpoint is refused naming
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from ._transformers_private import Merged, checkpoint_names
 from .grouping import GroupSpec, plan_groups
 from .host_masters import replace_tensors
 from .runtime.disk import CheckpointExtents, CheckpointFile, DiskFile, DiskSpace, disk_groups
@@ -62,6 +66,41 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembled:
+    """A model weight that the checkpoint holds in pieces (a fused expert weight written expert by expert, as
+    transformers' ``save_pretrained`` writes it): each piece's entry and the element of the weight (contiguous,
+    ``shape``) where it starts."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[Entry, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry, _ in self.pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transposed:
+    """A model weight that the checkpoint holds transposed (``dims``), as from_pretrained converts it."""
+    name: str
+    entry: Entry
+    dims: tuple[int, int]
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+
+Source = Entry | Assembled | Transposed  # where one weight's bytes are in the checkpoint
 
 
 # -- the checkpoint's index: headers only ----------------------------------------------------------------------
@@ -164,15 +203,17 @@ def checkpoint_index(path: str | os.PathLike) -> dict[str, Entry]:
 
 # -- matching the model to the checkpoint ---------------------------------------------------------------------
 
-def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Entry]:
+def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Source]:
     """Each of the model's weights that the checkpoint holds, by tensor id (a tied weight under any of its
-    names); refuses a weight on meta that it lacks, or holds with another shape."""
+    names); refuses a weight on meta that it lacks, or holds with another shape. A transformers model's
+    checkpoint is read under the names ``from_pretrained`` gives its tensors (`converted`)."""
     named: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if isinstance(tensor, torch.Tensor):
             named.setdefault(id(tensor), []).append(name)
             tensors[id(tensor)] = tensor
+    entries, consumed = converted(model, entries, {name: tensors[i] for i, names in named.items() for name in names})
     sources, missing = {}, []
     for ident, names in named.items():
         entry = next((entries[n] for n in names if n in entries), None)
@@ -207,14 +248,104 @@ def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Entry]:
                               f"when the model is built, like rotary frequencies): build the model under "
                               f"offload_compiler.empty_weights(), which puts only parameters on meta")
     _warn_kind_casts(model, sources, tensors)
-    unused = sorted(set(entries) - {n for names in named.values() for n in names})
+    unused = sorted(set(entries) - {n for names in named.values() for n in names} - consumed)
     if unused:
         warnings.warn(f"offload_compiler: the checkpoint holds {len(unused)} tensors that {type(model).__name__} "
                       f"does not have, such as {unused[:4]}; they are not loaded", RuntimeWarning, stacklevel=4)
     return sources
 
 
-def _warn_kind_casts(model: nn.Module, sources: dict[int, Entry], tensors: dict[int, torch.Tensor]) -> None:
+def converted(model: nn.Module, entries: dict[str, Entry], weights: dict[str, torch.Tensor]
+              ) -> tuple[dict[str, Source], set[str]]:
+    """``entries`` with what ``from_pretrained`` would read under other names added under the model's names: a
+    renamed tensor (Mixtral's ``block_sparse_moe.gate`` is ``mlp.gate``) and a fused expert weight from its
+    experts' pieces (``experts.0.gate_proj.weight``, ``experts.0.up_proj.weight``, ... into
+    ``experts.gate_up_proj [E, 2I, H]``); and the checkpoint names so taken. Names the model holds are read as
+    they are, unless from_pretrained converts their values (refused); an expert weight whose pieces do not make
+    the model's shape is refused naming them."""
+    names = checkpoint_names(model, entries, weights)
+    model_name = type(model).__name__
+    out = dict(entries)
+    pieces: dict[str, list[tuple[str, Merged]]] = {}
+    for key, (target, merged) in names.items():
+        if target not in weights or (target != key and target in entries):  # the model's own name comes first
+            continue
+        if merged is not None and merged.transpose is not None:
+            out[target] = _transposed(target, weights[target], entries[key], merged.transpose, model_name)
+        elif target == key:  # from_pretrained changes the values of a tensor whose name it keeps
+            raise CheckpointError(f"from_pretrained converts {key} of the checkpoint with {merged.unsupported} while "
+                                  f"loading it into {model_name}; offload_compile reads tensors as they are or "
+                                  f"stacked, concatenated or transposed. {_WRITE_ONCE}")
+        elif key in weights:
+            continue
+        elif merged is None:
+            out[target] = entries[key]
+        else:
+            pieces.setdefault(target, []).append((key, merged))
+    for target, keys in pieces.items():
+        out[target] = _assembled(target, weights[target], keys, entries, model_name)
+    return out, {key for key, (target, _) in names.items() if target in out}
+
+
+_WRITE_ONCE = ("Write the checkpoint once from the model loaded on the CPU: "
+               "safetensors.torch.save_file(model.state_dict(), 'model.safetensors')")
+
+
+def _transposed(target: str, weight: torch.Tensor, entry: Entry, transpose: tuple[int, int, bool], model_name: str
+                ) -> Entry | Transposed:
+    """``entry`` as from_pretrained gives it to ``target``: transposed, or as it is where the conversion transposes
+    only a shape that is not the weight's (``check_dims``) and the shapes agree."""
+    first, second, only_if_different = transpose
+    shape = tuple(weight.shape)
+    if only_if_different and entry.shape == shape:
+        return entry
+    swapped = list(entry.shape)
+    swapped[first], swapped[second] = swapped[second], swapped[first]
+    if tuple(swapped) != shape:
+        raise CheckpointError(f"{entry.name} has shape {list(entry.shape)} in {entry.file}, which from_pretrained "
+                              f"transposes (dims {first} and {second}) into {target} of shape {list(shape)} in "
+                              f"{model_name}: they do not agree; the checkpoint is of another model or "
+                              f"configuration; {FIX}")
+    return Transposed(target, entry, (first, second), shape)
+
+
+def _assembled(target: str, weight: torch.Tensor, keys: list[tuple[str, Merged]], entries: dict[str, Entry],
+               model_name: str) -> Assembled:
+    """The fused expert weight ``target`` from its pieces: experts stacked along the first dimension in the order
+    of their names, each expert's parts (gate, up) concatenated along its own first dimension."""
+    unsupported = next((m.unsupported for _, m in keys if m.unsupported), None)
+    if unsupported is not None:
+        raise CheckpointError(f"{target} is written in the checkpoint as {keys[0][0]} and others, which "
+                              f"from_pretrained converts with {unsupported}; offload_compile reads tensors as they are "
+                              f"or stacked, concatenated or transposed. {_WRITE_ONCE}")
+    parts = keys[0][1].parts
+    by_part = [sorted((key for key, m in keys if m.part == p), key=_natural) for p in range(parts)]
+    shape = tuple(weight.shape)
+    first = [entries[k[0]].shape if k else None for k in by_part]
+    fits = (len(shape) >= 2 and all(len(k) == shape[0] for k in by_part)
+            and all(s is not None and tuple(s[1:]) == shape[2:] for s in first)
+            and sum(s[0] for s in first) == shape[1]
+            and all(entries[k].shape == first[p] for p in range(parts) for k in by_part[p])
+            and len({entries[k].dtype for k, _ in keys}) == 1)
+    if not fits:
+        sample = [(k, list(entries[k].shape)) for k, _ in keys[:3]]
+        raise CheckpointError(f"{target} has shape {list(shape)} in {model_name}, but its pieces in the "
+                              f"checkpoint ({len(keys)} tensors such as {sample}) do not stack into it: the "
+                              f"checkpoint is of another model or configuration; {FIX}")
+    per_expert = math.prod(shape[1:])
+    row = math.prod(shape[2:])
+    offsets = [sum(s[0] for s in first[:p]) * row for p in range(parts)]
+    placed = tuple((entries[key], expert * per_expert + offsets[p])
+                   for p in range(parts) for expert, key in enumerate(by_part[p]))
+    return Assembled(target, entries[keys[0][0]].dtype, shape, placed)
+
+
+def _natural(name: str) -> tuple:
+    """A name's order with its numbers as numbers (``experts.10`` after ``experts.9``)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+
+
+def _warn_kind_casts(model: nn.Module, sources: dict[int, Source], tensors: dict[int, torch.Tensor]) -> None:
     """A checkpoint's tensor is cast to its weight's dtype (bfloat16 into float32 is usual); integers into floating
     point or back, rarely meant (a checkpoint of another model, or indices saved as weights), are said once."""
     crossed = [(entry.name, entry.dtype, tensors[ident].dtype) for ident, entry in sources.items()
@@ -248,9 +379,16 @@ class _Reader:
         self.files: dict[str, Any] = {}
         self.progress = _progress(total, label)
 
-    def read_into(self, target: torch.Tensor, entry: Entry) -> None:
+    def read_into(self, target: torch.Tensor, entry: Source) -> None:
         """``target`` (host, the checkpoint's shape) gets the entry's values, cast to its dtype if they differ."""
-        if entry.nbytes:
+        if isinstance(entry, Assembled):
+            self._assemble(target, entry)
+        elif isinstance(entry, Transposed):
+            held = torch.empty(entry.entry.shape, dtype=entry.dtype)
+            self.read_into(held, entry.entry)
+            with torch.no_grad():
+                target.copy_(held.transpose(*entry.dims))
+        elif entry.nbytes:
             direct = target.dtype == entry.dtype and target.is_contiguous()
             into = target if direct else torch.empty(entry.shape, dtype=entry.dtype)
             self._read(into.data_ptr(), entry)
@@ -259,6 +397,17 @@ class _Reader:
                     target.copy_(into)
         if self.progress is not None:
             self.progress.update(entry.nbytes)
+
+    def _assemble(self, target: torch.Tensor, weight: Assembled) -> None:
+        direct = target.dtype == weight.dtype and target.is_contiguous()
+        into = target if direct else torch.empty(weight.shape, dtype=weight.dtype)
+        for entry, element in weight.pieces:
+            self._read(into.data_ptr() + element * weight.dtype.itemsize, entry)
+            if self.progress is not None:
+                self.progress.update(entry.nbytes)
+        if not direct:
+            with torch.no_grad():
+                target.copy_(into)
 
     def _read(self, address: int, entry: Entry) -> None:
         f = self.files.get(entry.file)
@@ -295,7 +444,7 @@ def _progress(total: int, label: str) -> Any:
 
 # -- loading --------------------------------------------------------------------------------------------------
 
-def check_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict[int, Entry]:
+def check_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict[int, Source]:
     """Where each of ``model``'s weights is in the checkpoint at ``path``, everything checked; reads no weight."""
     return _sources(model, checkpoint_index(path))
 
@@ -388,7 +537,7 @@ class _MappedFiles(dict):
         return self[path]
 
 
-def _extents(group: Any, sources: dict[int, Entry], mapped: _MappedFiles
+def _extents(group: Any, sources: dict[int, Source], mapped: _MappedFiles
              ) -> tuple[dict[int, torch.Tensor], list[CheckpointExtents]] | None:
     """A group on disk left in the checkpoint's own file: each weight a view of its bytes in a private mapping
     of the file, each bucket the extents a fill reads. None where a weight is not there as the group lays it
@@ -402,7 +551,8 @@ def _extents(group: Any, sources: dict[int, Entry], mapped: _MappedFiles
         for leaf in members:
             entry = sources.get(id(leaf.tensor))
             itemsize = bucket.dtype.itemsize
-            if (entry is None or type(leaf.tensor) not in (torch.Tensor, nn.Parameter) or entry.dtype != bucket.dtype
+            if (not isinstance(entry, Entry) or type(leaf.tensor) not in (torch.Tensor, nn.Parameter)
+                    or entry.dtype != bucket.dtype
                     or leaf.stride != contiguous_stride(leaf.shape) or entry.start % itemsize):
                 return None
             try:
@@ -416,7 +566,7 @@ def _extents(group: Any, sources: dict[int, Entry], mapped: _MappedFiles
     return views, extents
 
 
-def _fill_place(leaf: Any, buffer: torch.Tensor | DiskFile, entry: Entry | None, reader: _Reader,
+def _fill_place(leaf: Any, buffer: torch.Tensor | DiskFile, entry: Source | None, reader: _Reader,
                 bounce: torch.Tensor) -> None:
     """A weight's bytes into its place in its group's flat buffer, or in its file (through ``bounce``): from
     the checkpoint, or, for a real weight the checkpoint lacks (a buffer computed at construction), from the

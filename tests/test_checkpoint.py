@@ -8,11 +8,14 @@ import platform
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from offload_compiler import (CheckpointError, OffloadPolicy, empty_weights, offload_compile, offload_stats,
                               remove_offload)
+from offload_compiler.checkpoint import read_header
+from offload_compiler.testing import assert_traffic_matches_plan
 from offload_compiler.offloaded import state_of
 from offload_compiler.storage import viewed
 from fresh_process import run, stack_script
@@ -164,27 +167,125 @@ def test_malformed_headers_and_indexes_are_checkpoint_errors(tmp_path):
     assert "has no weight_map" in _refused(shards)
 
 
-def test_a_mixture_of_experts_checkpoint_saved_expert_by_expert_names_the_fix(tmp_path):
-    """transformers writes a fused-experts model's experts one by one (and fuses them again while loading): the
-    refusal says so and names the checkpoint that loads, which then does."""
+def _moe(kind, seed=0):
+    """A tiny transformers mixture-of-experts model of ``kind`` (its experts fused: ``experts.gate_up_proj``)."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                      num_key_value_heads=1, head_dim=16, num_hidden_layers=1, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=32)
-    torch.manual_seed(0)
-    ref = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    ref.save_pretrained(tmp_path / "pretrained")
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2, max_position_embeddings=32)
+        cls = transformers.MixtralForCausalLM
+    else:
+        cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                          num_key_value_heads=1, head_dim=16, num_hidden_layers=2, num_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=32)
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    ref = cls(cfg).eval()
     with empty_weights():
-        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    if not any(k.endswith("experts.gate_up_proj") for k in model.state_dict()):
+        empty = cls(cfg).eval()
+    if not any(k.endswith("experts.gate_up_proj") for k in empty.state_dict()):
         pytest.skip("this transformers keeps its experts as separate modules")
-    message = _refused(tmp_path / "pretrained", model)
-    assert "expert by expert" in message and "save_file(model.state_dict()" in message
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "fused.safetensors"))
-    model = offload_compile(model, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path / "fused.safetensors")
+    return ref, empty
+
+
+def _expert_names(path):
+    return [k for k in read_header(str(path)) if ".experts.0." in k]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_saved_expert_by_expert_loads_fused_as_from_pretrained_does(tmp_path, kind):
+    """transformers' save_pretrained writes a fused-experts model's experts one by one (Mixtral's also under its
+    old module names, ``block_sparse_moe.experts.0.w1``); loading reads each expert's pieces straight into the
+    fused weight, as from_pretrained fuses them: the same weights, the same outputs, streamed as planned."""
+    ref, empty = _moe(kind)
+    ref.save_pretrained(tmp_path, max_shard_size="40KB")  # the pieces of one fused weight across shards
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1 and any(_expert_names(s) for s in shards)
+    model = offload_compile(empty, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path)
+    loaded = type(ref).from_pretrained(tmp_path).eval()
+    for name, weight in model.state_dict().items():
+        assert torch.equal(weight, loaded.state_dict()[name]), name
     ids = torch.randint(0, 64, (1, 5))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+    stats = assert_traffic_matches_plan(model)
+    assert stats.expert_bytes > 0 and stats.on_demand_bytes == 0
+
+
+def test_experts_saved_one_by_one_load_onto_the_disk_tier_and_the_simulated_device(tmp_path):
+    from offload_compiler.testing import simulated_device
+    ref, empty = _moe("qwen3_moe", seed=1)
+    ref.save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "tier").mkdir()
+    policy = OffloadPolicy(strategy="layerwise", host_budget_gb=0.00005, disk_dir=str(tmp_path / "tier"))
+    model = offload_compile(empty, policy, checkpoint=tmp_path / "pretrained")
+    runtime = state_of(model).runtime
+    experts = [g for g in runtime.groups if g.name.endswith("mlp.experts")]
+    assert experts and any(g.on_disk for g in runtime.groups)
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert offload_stats(model).disk_bytes_read > 0
+    assert_traffic_matches_plan(model)
+    device = simulated_device()
+    _, empty = _moe("qwen3_moe", seed=1)
+    model = offload_compile(empty, OffloadPolicy(strategy="layerwise", device=device),
+                            checkpoint=tmp_path / "pretrained")
+    with torch.no_grad():
+        out = model(ids.to(device)).logits
+        torch.testing.assert_close(out.cpu(), ref(ids).logits)
+    assert assert_traffic_matches_plan(model).on_demand_bytes == 0
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_the_weight(tmp_path):
+    ref, empty = _moe("qwen3_moe")
+    ref.save_pretrained(tmp_path / "pretrained")
+    tensors = {}
+    with safe_open(str(tmp_path / "pretrained" / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            if ".layers.1.mlp.experts.3." not in key:
+                tensors[key] = f.get_tensor(key)
+    save_file(tensors, str(tmp_path / "cut.safetensors"))
+    message = _refused(tmp_path / "cut.safetensors", empty)
+    assert "model.layers.1.mlp.experts." in message and "Qwen3MoeForCausalLM, but its pieces" in message
+    assert "do not stack into it" in message
+    assert all(t.is_meta for t in empty.parameters())  # nothing was read into the model
+
+
+def test_experts_held_transposed_load_as_from_pretrained_transposes_them(tmp_path):
+    """Qwen3-VL-MoE's published checkpoints hold the fused experts transposed ([E, H, 2I]); from_pretrained
+    transposes them where the shapes differ. Loading does the same: the weights equal from_pretrained's, and the
+    model runs as the one that wrote them."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip("no Qwen3-VL-MoE in this transformers")
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+    cfg = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    cls = transformers.Qwen3VLMoeForConditionalGeneration
+    torch.manual_seed(0)
+    ref = cls(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    held = {k: (v.transpose(1, 2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v).contiguous()
+            for k, v in ref.state_dict().items()}
+    assert held["model.language_model.layers.0.mlp.experts.down_proj"].shape == (4, 8, 32)
+    for stale in tmp_path.glob("*.safetensors*"):
+        stale.unlink()
+    save_file(held, str(tmp_path / "model.safetensors"))
+    with empty_weights():
+        empty = cls(cfg).eval()
+    model = offload_compile(empty, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path)
+    loaded = cls.from_pretrained(tmp_path).eval()
+    for name, weight in model.state_dict().items():
+        assert torch.equal(weight, loaded.state_dict()[name]), name
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert_traffic_matches_plan(model)
 
 
 def test_transformers_model_saved_with_save_pretrained(tmp_path):

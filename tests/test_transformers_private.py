@@ -22,7 +22,8 @@ output_capturing = pytest.importorskip("transformers.utils.output_capturing")
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "offload_compiler")
 PRIVATE = re.compile(r"output_capturing|\b_active_collector\b|maybe_install_capturing_hooks|global_var\b|"
-                     r"CompileableContextVar")
+                     r"CompileableContextVar|conversion_mapping|core_model_loading|rename_source_key|"
+                     r"MergeModulelist|WeightConverter")
 
 
 @pytest.fixture(autouse=True)
@@ -194,3 +195,38 @@ def test_a_part_by_hand_records_into_the_active_collector(layer_and_inputs):
         stats = offload_stats(m)
         assert (stats.fetch_count, stats.bytes_transferred) == (1, layer_bytes), call
     assert (var.compiling, var.global_var, var.get()) == (False, None, None)
+
+
+# 3
+def test_checkpoint_names_follow_from_pretrained(tmp_path):
+    """What save_pretrained writes for a Mixtral (its router under the old module name, each expert's w1/w3/w2)
+    maps to the model's names as from_pretrained loads them: the router renamed, the experts' pieces merged into
+    the fused weights (w1 then w3 into gate_up_proj, part 0 and 1 of 2); names the model holds are left out."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                     num_experts_per_tok=1, max_position_embeddings=16)
+    model = transformers.MixtralForCausalLM(cfg)
+    names = list(model.state_dict())
+    if "model.layers.0.mlp.experts.gate_up_proj" not in names:
+        pytest.skip("this transformers keeps its experts as separate modules")
+    moe = "model.layers.0.block_sparse_moe."
+    keys = [moe + "gate.weight", moe + "experts.1.w1.weight", moe + "experts.1.w3.weight", moe + "experts.0.w2.weight",
+            "model.embed_tokens.weight"]
+    mapped = private.checkpoint_names(model, keys, names)
+    fused = "model.layers.0.mlp.experts."
+    assert mapped == {keys[0]: ("model.layers.0.mlp.gate.weight", None),
+                      keys[1]: (fused + "gate_up_proj", private.Merged(0, 2)),
+                      keys[2]: (fused + "gate_up_proj", private.Merged(1, 2)),
+                      keys[3]: (fused + "down_proj", private.Merged(0, 1))}
+    assert private.checkpoint_names(torch.nn.Linear(2, 2), keys, names) == {}  # not a transformers model
+
+
+def test_without_the_conversion_functions_no_name_is_mapped(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(private, "_conversion", lambda: None)
+    cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                     num_experts_per_tok=1, max_position_embeddings=16)
+    model = transformers.MixtralForCausalLM(cfg)
+    assert private.checkpoint_names(model, ["model.layers.0.block_sparse_moe.gate.weight"], model.state_dict()) == {}
