@@ -50,9 +50,12 @@ warning asks subclasses for it): torch calls it, we call nothing, and without it
 7. Inductor (``torch._inductor``): ``compile_fx.compile_fx`` (inductor on a graph our backend rewrote; the
    public entry, ``torch.compile``, would trace it again with dynamo and guard every call), and the lowering of
    our ``transfer`` op (``lowering.register_lowering``, ``lowering.fallback_handler``, ``virtualized.V.graph``'s
-   ``never_reuse_buffers``/``unaligned_buffers``, ``ir.FallbackKernel``'s codegen). Inductor has no public
-   Python API. Test: ``test_inductor_entry_points_take_what_we_pass`` (signatures and graph state, fast);
-   the compile itself: tests/test_hot_path.py (``test_inductor_calls_the_transfer_past_the_dispatcher...``).
+   ``never_reuse_buffers``/``unaligned_buffers``, ``ir.FallbackKernel``'s codegen and the IR around it:
+   ``MultiOutput``, the ``data`` of a lowered value; ``custom_graph_pass.CustomGraphPass``, whose ``uuid``
+   salts the FX-graph cache key). Inductor has no public Python API. Tests:
+   ``test_inductor_entry_points_take_what_we_pass`` (signatures and graph state, fast);
+   ``test_inductor_calls_our_builtins_and_its_cache_knows_our_lowering`` (a compile, on every torch CI runs);
+   tests/test_hot_path.py.
 8. ``torch.utils._pytree`` (`pytree`): nested inputs and outputs as torch and transformers register them (model
    outputs, caches). No public module in torch 2.13/2.14 (``torch.utils.pytree`` does not exist).
    Test: ``test_pytree_walks_registered_containers``.
@@ -487,10 +490,33 @@ def inductor_graph() -> Any:
     return V.graph
 
 
-def is_inductor_fallback_kernel(node: Any) -> bool:
-    """Whether an IR node is an extern kernel call made by `inductor_fallback`."""
+def inductor_cache_salt(salt: str) -> dict:
+    """Config patches under which inductor's FX-graph cache keys a graph also by ``salt`` (a hash of the code that
+    lowers our ops): a graph compiled by another version of this package, whose generated code calls what that
+    version's lowering named, is never taken from the cache. The documented way a custom pass enters the key is
+    its ``uuid``; this pass changes nothing."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Salt(CustomGraphPass):
+        def __call__(self, graph: Any) -> None:
+            pass
+
+        def uuid(self) -> str:
+            return salt
+    return {"post_grad_custom_post_pass": _Salt()}
+
+
+def inductor_kernel_of(output: Any) -> Any:
+    """The extern kernel call (made by `inductor_fallback`) whose output the lowered value ``output`` is, or None:
+    ``TensorBox -> StorageBox ->`` the kernel itself (torch 2.14: one output), or a ``MultiOutput`` whose input
+    is the kernel (torch 2.11 and 2.13)."""
     from torch._inductor import ir
-    return isinstance(node, ir.FallbackKernel)
+    node = output
+    for _ in range(2):
+        node = getattr(node, "data", None)
+    if isinstance(node, ir.MultiOutput):
+        node = next(iter(node.inputs or ()), None)
+    return node if isinstance(node, ir.FallbackKernel) else None
 
 
 # ---- 8. pytree: imported above, as `pytree` -----------------------------------------------------------------

@@ -25,7 +25,10 @@ Zamba2 decode (`tests/test_hot_path.py`), so it was taken out.
 
 from __future__ import annotations
 
+import hashlib
 import operator
+import pathlib
+import sys
 import weakref
 from typing import Callable, Sequence
 
@@ -33,8 +36,8 @@ import torch
 import torch.fx as fx
 
 from ._registry import runtime_by_id
-from ._torch_private import inductor_compile, inductor_fallback, inductor_graph, is_inductor_fallback_kernel, \
-    register_inductor_lowering
+from ._torch_private import inductor_cache_salt, inductor_compile, inductor_fallback, inductor_graph, \
+    inductor_kernel_of, register_inductor_lowering
 from . import ops as offload_ops
 from .passes.fuse import fuse_transfers
 from .passes.nodes import (Evict, Prefetch, Resident, TransferView, Wait, leaf_views, plain_weight_slots, rebuilt_view,
@@ -137,7 +140,17 @@ def _replace(node: fx.Node, call_function, index_args: tuple) -> None:
 # (`register_transfer_lowering`), and these checks would cost two calls per leaf per call. Always the Python
 # wrapper: inductor's C++ wrapper (torch 2.13) reads the transfer op's Tensor[] result as one tensor and crashes
 # the process, so a global ``cpp_wrapper=True`` must not reach our graphs
-_INDUCTOR_CONFIG = {"size_asserts": False, "alignment_asserts": False, "cpp_wrapper": False}
+def _code_hash() -> str:
+    """What inductor's generated code for our graphs depends on beyond the graph: this lowering and the functions
+    of `ops` it calls by name."""
+    digest = hashlib.sha256()
+    for module in (sys.modules[__name__], offload_ops):
+        digest.update(pathlib.Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
+_INDUCTOR_CONFIG = {"size_asserts": False, "alignment_asserts": False, "cpp_wrapper": False,
+                    **inductor_cache_salt(_code_hash())}
 ALIGNMENT = 16  # bytes: what inductor assumes of an extern kernel's outputs unless told otherwise
 
 
@@ -259,7 +272,7 @@ def _call_directly(output, function: str, name: str) -> None:
     it otherwise) keeps the op: correct, only slower. (Our graphs never use inductor's C++ wrapper:
     `_INDUCTOR_CONFIG`.)"""
     getattr(offload_ops, function)  # a name `ops` defines: the generated code imports it when it runs
-    kernel = _fallback_kernel(output)
+    kernel = inductor_kernel_of(output)
     if kernel is None:
         return
     codegen = kernel.codegen
@@ -272,12 +285,3 @@ def _call_directly(output, function: str, name: str) -> None:
         codegen(wrapper)
 
     kernel.codegen = direct_codegen
-
-
-def _fallback_kernel(output):
-    """The one extern kernel whose output ``output`` is (TensorBox → StorageBox → MultiOutput → kernel)."""
-    node = output
-    for _ in range(2):
-        node = getattr(node, "data", None)
-    kernel = next(iter(getattr(node, "inputs", None) or ()), None)
-    return kernel if is_inductor_fallback_kernel(kernel) else None

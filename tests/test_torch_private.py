@@ -210,6 +210,75 @@ def test_inductor_entry_points_take_what_we_pass():
         private.inductor_graph().never_reuse_buffers
 
 
+class _NormLinear(nn.Module):
+    def __init__(self, width=16, blocks=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.slow
+@pytest.mark.newest_torch
+def test_inductor_calls_our_builtins_on_this_torch(monkeypatch):
+    """Under inductor the generated code calls torch's linear itself for each linear (`lowering._call_directly`,
+    which finds the extern kernel of the op's output in inductor's IR: a ``MultiOutput`` in torch 2.13, the
+    kernel itself in 2.14), and the outputs are the plain model's."""
+    from offload_compiler import OffloadPolicy, offload_compile, ops
+    calls = []
+    builtin = ops.direct_linear
+    monkeypatch.setattr(ops, "direct_linear", lambda *args: calls.append(len(args)) or builtin(*args))
+    torch.manual_seed(0)
+    model = _NormLinear().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", compiler="inductor"))
+        torch.testing.assert_close(m(x), expected)
+        torch.testing.assert_close(m(x), expected)
+    assert len(calls) == 2 * 3 and all(n == 3 for n in calls)  # input, weight, bias: each linear, nothing else
+
+
+_CACHED_COMPILE = """
+import sys, torch
+from torch import nn
+from torch._dynamo.utils import counters
+from offload_compiler import OffloadPolicy, lowering, offload_compile
+from offload_compiler._torch_private import inductor_cache_salt
+if len(sys.argv) > 1:  # another version of the package: another lowering
+    lowering._INDUCTOR_CONFIG = {**lowering._INDUCTOR_CONFIG, **inductor_cache_salt(sys.argv[1])}
+torch.manual_seed(0)
+model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16)).eval()
+with torch.no_grad():
+    m = offload_compile(model, OffloadPolicy(strategy="layerwise", compiler="inductor"))
+    torch.testing.assert_close(m(torch.ones(2, 16)), model(torch.ones(2, 16)))
+print(counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"])
+"""
+
+
+@pytest.mark.slow
+def test_inductor_cache_holds_our_lowering_in_its_key(tmp_path):
+    """A second process compiling the same offloaded model takes its graph from inductor's caches; one whose
+    lowering differs (another version of this package, whose generated code calls what its lowering named)
+    does not."""
+    import subprocess
+    import sys
+    script = tmp_path / "compile.py"
+    script.write_text(_CACHED_COMPILE)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+
+    def hits(*args):
+        out = subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True, text=True, env=env)
+        return [int(word) for word in out.stdout.split()]
+    assert hits() == [0, 0]
+    assert sum(hits()) > 0  # the same lowering: from the cache
+    assert hits("another lowering") == [0, 0]
+
+
 # 8
 def test_pytree_walks_registered_containers():
     Pair = collections.namedtuple("Pair", "a b")
