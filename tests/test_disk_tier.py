@@ -255,6 +255,34 @@ def test_a_group_on_disk_read_for_the_next_call_and_changed_before_it_is_read_ag
 
 
 @pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_group_read_from_the_checkpoint_for_the_next_call_and_changed_moves_to_the_tiers_file_after_that_read(
+        tmp_path, device):
+    """blocks.0 read from the checkpoint's own extents for the next call, then changed in place while that read
+    may still run: the next call drops the read (stale), waits for it, and moves the group to its region of the
+    tier's file before reading it again; the checkpoint is never written."""
+    dev = _device(device)
+    reference = _model(17)
+    model, path, folder = _checkpoint(tmp_path, reference)
+    saved = path.read_bytes()
+    m = offload_compile(model, _policy(folder, prefetch=1, prefetch_next_call=True, device=dev, debug_poison=True),
+                        checkpoint=path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        _exact(m, x, reference(x), dev)
+        assert "blocks.0" in _carried(m) and _group(m, "blocks.0").buckets[0].file.read_only
+        delta = torch.randn(64, 64)
+        for target in (m, reference):  # no wait for the read in flight: the write goes to the private mapping
+            target.blocks[0].weight.add_(delta)
+        expected = reference(x)
+    reset_offload_stats(m)
+    _exact(m, x, expected, dev)
+    assert offload_stats(m).carry_hits == 2 and not _group(m, "blocks.0").buckets[0].file.read_only
+    reset_offload_stats(m)
+    _exact(m, x, expected, dev)
+    assert offload_stats(m).carry_hits == 3 and path.read_bytes() == saved
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
 def test_a_read_for_the_next_call_that_fails_fails_the_call_that_takes_it_and_the_model_stays_whole(
         tmp_path, device, monkeypatch):
     """An OSError in a read a call issued for its next call (on the worker, after the call returned): the next
