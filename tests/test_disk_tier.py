@@ -178,8 +178,8 @@ def _exact(m, x, expected, device):
 def test_a_call_reads_the_next_calls_first_groups_on_disk_and_the_next_call_starts_with_them(
         tmp_path, device, monkeypatch):
     """prefetch_next_call with groups on disk: the reads a call issues at its start (the first prefetch + 1
-    groups on disk) are issued by the call before it, after its own last read was issued (at the wait of the
-    block before its last), so the disk reads on across the calls' boundary. Each call still reads each group
+    groups on disk) are issued by the call before it, at the wait of its last block (after its own prefetches),
+    so the disk reads on across the calls' boundary. Each call still reads each group
     on disk once, the next call takes the copies read for it, the ledger counts them held between calls
     (the verified peak), and the outputs are exact."""
     from offload_compiler.runtime.transfers import TransferEngine
