@@ -3,8 +3,8 @@ forward of ``--tokens`` tokens per call, one torch thread, against
 
   plain                 the model in memory (compute only)
   ours                  offload_compile(layerwise, host_budget_gb=--budget x the model, disk_dir=...)
-  ours-carry            the same with prefetch_next_call=True: the first group on disk is read for the next call
-                        while this call's last groups compute
+  ours-carry            the same with prefetch_next_call=True: the first groups on disk (the prefetch + 1 reads a
+                        call issues at its start) are read for the next call while this call's last groups compute
 
 Each method is timed over `LOOP_CALLS` calls in a row, as a loop of calls (decoding, denoising) makes them: a
 disk under a virtual machine caches recently read files outside it, where dropping the guest's pages does not

@@ -149,7 +149,7 @@ def device_weight_peak(runtime: OffloadRuntime) -> tuple[int, bool] | None:
     if runtime.policy.strategy not in BLOCK_STRATEGIES:
         return None
     policy = runtime.policy
-    return peak_estimate(runtime.groups, policy.prefetch) + runtime.unmanaged_bytes, False
+    return peak_estimate(runtime.groups, policy.prefetch, policy.prefetch_next_call) + runtime.unmanaged_bytes, False
 
 
 def _saving_line(runtime: OffloadRuntime) -> str | None:

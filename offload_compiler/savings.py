@@ -22,7 +22,7 @@ HALF_THE_MODEL = 0.5
 BUDGET_SAVED_SHARE = 0.5
 
 
-def peak_estimate(groups: Iterable, prefetch: int) -> int:
+def peak_estimate(groups: Iterable, prefetch: int, carry: bool = False) -> int:
     """Device weight bytes a block plan (layerwise, budget) holds, before any graph is captured: the resident
     groups and its device slots, allocated whole at the first call and held after it. Slots are per size class
     (groups whose flat buffers have the same sizes and dtypes), or shared by a kind (the same dtypes; each slot
@@ -40,14 +40,16 @@ def peak_estimate(groups: Iterable, prefetch: int) -> int:
 
     Groups on disk (``on_disk``, a ``host_budget_gb`` plan) are read further ahead: the pool is then the one
     the backend makes (`passes.slots.schedule_pool_bytes`) for the schedule's own rule (`build_schedule` with
-    ``read_ahead``) over the streamed groups in order, one use each."""
+    ``read_ahead``) over the streamed groups in order, one use each; with ``carry`` (``prefetch_next_call``) that
+    schedule carries the first reads from disk to the next call too, and holds their slots across its end."""
     groups = list(groups)
     streamed = [g for g in groups if g.streamed]
     classes = [_size_class_of(g) for g in streamed]
     resident = sum(g.nbytes for g in groups if not g.streamed)
     read_ahead = frozenset(i for i, g in enumerate(streamed) if getattr(g, "on_disk", False))
     if read_ahead:
-        schedule = build_schedule([Use(i, i, i) for i in range(len(streamed))], prefetch, read_ahead=read_ahead)
+        schedule = build_schedule([Use(i, i, i) for i in range(len(streamed))], prefetch, carry=carry,
+                                  read_ahead=read_ahead)
         return resident + schedule_pool_bytes(schedule, classes.__getitem__)
     window = prefetch + 1
     by_class: dict[tuple, int] = {}  # kind -> its slots' bytes, per size class
@@ -90,7 +92,7 @@ def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, st
         return None
     name = type(model).__name__
     if policy.strategy == "layerwise":
-        peak = peak_estimate(groups, policy.prefetch) + unmanaged_bytes
+        peak = peak_estimate(groups, policy.prefetch, policy.prefetch_next_call) + unmanaged_bytes
         if peak <= HALF_THE_MODEL * total:
             return None
         problem = (f"layerwise keeps up to {peak / total:.0%} of {name}'s weights on the device at once "
@@ -115,7 +117,7 @@ def _budget_window_warning(name: str, groups: list, policy: OffloadPolicy, unman
     depth, managed = policy.prefetch + 1, sum(g.nbytes for g in groups)
     asked = min(policy.offload_bytes, managed)  # an offload_gb over the model asks to stream all of it
     total = managed + unmanaged_bytes
-    saved = managed - peak_estimate(groups, policy.prefetch)
+    saved = managed - peak_estimate(groups, policy.prefetch, policy.prefetch_next_call)
     if saved >= BUDGET_SAVED_SHARE * asked:
         return None
     streamed = [g for g in groups if g.streamed]

@@ -145,6 +145,212 @@ def test_prefetch_next_call_and_budget_stream_from_disk_too(tmp_path):
         assert torch.equal(m(x), reference(x))
 
 
+def _device(name):
+    from offload_compiler.testing import simulated_device
+    return simulated_device() if name == "sim" else torch.device("cpu")
+
+
+def _carrying(tmp_path, seed, device, **fields):
+    """The stack with blocks 0, 1, 3 and 4 on disk and prefetch_next_call: a call reads blocks 0 and 1 (the
+    reads the next call would issue at its start) for the next call, beside its first group in memory."""
+    model, reference = _model(seed), _model(seed)
+    m = offload_compile(model, _policy(tmp_path, prefetch=1, prefetch_next_call=True, device=device,
+                                       debug_poison=True, **fields))
+    return m, reference
+
+
+def _group(m, name):
+    return next(g for g in _runtime(m).groups if g.name == name)
+
+
+def _carried(m):
+    runtime = _runtime(m)
+    schedule = runtime.graph_plans[0].schedule
+    return [runtime.groups[schedule.instances[i].group].name for i, _ in schedule.carry_at]
+
+
+def _exact(m, x, expected, device):
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.to(device)).cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_call_reads_the_next_calls_first_groups_on_disk_and_the_next_call_starts_with_them(
+        tmp_path, device, monkeypatch):
+    """prefetch_next_call with groups on disk: the reads a call issues at its start (the first prefetch + 1
+    groups on disk) are issued by the call before it, at the wait of its last block (after its own prefetches),
+    so the disk reads on across the calls' boundary. Each call still reads each group
+    on disk once, the next call takes the copies read for it, the ledger counts them held between calls
+    (the verified peak), and the outputs are exact."""
+    from offload_compiler.runtime.transfers import TransferEngine
+    dev = _device(device)
+    m, reference = _carrying(tmp_path, 12, dev)
+    runtime = _runtime(m)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = reference(x)
+    _exact(m, x, expected, dev)
+    assert [g.name for g in runtime.groups if g.on_disk] == ["blocks.0", "blocks.1", "blocks.3", "blocks.4"]
+    assert _carried(m) == ["blocks.0", "blocks.1", "inp"]
+    held = 2 * BLOCK + _group(m, "inp").nbytes
+    assert offload_stats(m).carried_bytes == held == offload_stats(m).live_device_bytes
+    events = []
+    fill, ready = TransferEngine._fill, TransferEngine._ready
+    monkeypatch.setattr(TransferEngine, "_fill", lambda self, slot, g: (events.append(("fill", g.name)),
+                                                                        fill(self, slot, g))[1])
+    monkeypatch.setattr(TransferEngine, "_ready", lambda self, slot: (events.append(
+        ("wait", self.groups[slot.group].name)), ready(self, slot))[1])
+    plan = runtime.graph_plans[0]
+    for _ in range(2):
+        events.clear()
+        reset_offload_stats(m)
+        _exact(m, x, expected, dev)
+        stats = offload_stats(m)
+        assert stats.carry_hits == 3 and stats.fetch_count == len(plan.schedule.instances)
+        assert stats.disk_bytes_read == 4 * BLOCK  # each group on disk read once per call, two for the next
+        assert stats.bytes_transferred == runtime.total_bytes
+        assert stats.peak_resident_bytes == plan.verified.peak_bytes
+        assert stats.carried_bytes == stats.live_device_bytes == held
+        # the call started with its first reads done or in flight: none of them is issued in it before a wait,
+        # and it issued them for the next call once the last block on disk was waited for
+        fills = [name for kind, name in events if kind == "fill"]
+        assert events[0] == ("wait", "inp") and fills.count("blocks.0") == fills.count("blocks.1") == 1
+        assert events.index(("fill", "blocks.0")) > events.index(("wait", "blocks.4"))
+        assert fills[-3:] == ["blocks.0", "blocks.1", "inp"]
+
+
+@pytest.mark.parametrize("how", ["add_", "data", "load_state_dict"])
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_group_on_disk_read_for_the_next_call_and_changed_before_it_is_read_again_not_served_stale(
+        tmp_path, device, how):
+    """The previous call read blocks.0 for the next; the weight changes between the calls after that read
+    ended: the next call drops the stale copy and reads the group again, then carries it again."""
+    dev = _device(device)
+    m, reference = _carrying(tmp_path, 13, dev)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        _exact(m, x, reference(x), dev)
+    assert "blocks.0" in _carried(m)
+    _runtime(m).wait_for_copies()  # the read for the next call is done: the slot holds the old bytes
+    new = torch.randn(64, 64)
+    with torch.no_grad():
+        value, bias = reference.blocks[0].weight + new, reference.blocks[0].bias.clone()
+        for target in (m, reference):
+            block = target.get_submodule("blocks.0")
+            if how == "add_":
+                block.weight.add_(new)
+            elif how == "data":
+                block.weight.data = value.clone()
+            else:
+                block.load_state_dict({"weight": value.clone(), "bias": bias})
+        expected = reference(x)
+    reset_offload_stats(m)
+    _exact(m, x, expected, dev)
+    stats, instances = offload_stats(m), len(_runtime(m).graph_plans[0].schedule.instances)
+    assert stats.carry_hits == 2 and stats.fetch_count == instances + 1  # blocks.0 read again, the others taken
+    assert stats.disk_bytes_read == 5 * BLOCK
+    reset_offload_stats(m)
+    _exact(m, x, expected, dev)
+    assert offload_stats(m).carry_hits == 3 and offload_stats(m).disk_bytes_read == 4 * BLOCK
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_group_read_from_the_checkpoint_for_the_next_call_and_changed_moves_to_the_tiers_file_after_that_read(
+        tmp_path, device):
+    """blocks.0 read from the checkpoint's own extents for the next call, then changed in place while that read
+    may still run: the next call drops the read (stale), waits for it, and moves the group to its region of the
+    tier's file before reading it again; the checkpoint is never written."""
+    dev = _device(device)
+    reference = _model(17)
+    model, path, folder = _checkpoint(tmp_path, reference)
+    saved = path.read_bytes()
+    m = offload_compile(model, _policy(folder, prefetch=1, prefetch_next_call=True, device=dev, debug_poison=True),
+                        checkpoint=path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        _exact(m, x, reference(x), dev)
+        assert "blocks.0" in _carried(m) and _group(m, "blocks.0").buckets[0].file.read_only
+        delta = torch.randn(64, 64)
+        for target in (m, reference):  # no wait for the read in flight: the write goes to the private mapping
+            target.blocks[0].weight.add_(delta)
+        expected = reference(x)
+    reset_offload_stats(m)
+    _exact(m, x, expected, dev)
+    assert offload_stats(m).carry_hits == 2 and not _group(m, "blocks.0").buckets[0].file.read_only
+    reset_offload_stats(m)
+    _exact(m, x, expected, dev)
+    assert offload_stats(m).carry_hits == 3 and path.read_bytes() == saved
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_read_for_the_next_call_that_fails_fails_the_call_that_takes_it_and_the_model_stays_whole(
+        tmp_path, device, monkeypatch):
+    """An OSError in a read a call issued for its next call (on the worker, after the call returned): the next
+    call raises it naming the group, holds nothing after, and the call after it is exact and carries again."""
+    from offload_compiler.runtime import disk
+    dev = _device(device)
+    m, reference = _carrying(tmp_path, 14, dev)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = reference(x)
+    _exact(m, x, expected, dev)  # blocks.0 read twice: for this call and for the next
+    _runtime(m).wait_for_copies()  # (the read for the next call done before the reads fail)
+    first = _group(m, "blocks.0").buckets[0].file
+    reads, real = [], disk.DiskFile.read_into
+
+    def third_read_of_block_0_fails(self, target):
+        if self.base == first.base:
+            reads.append(self.base)
+            if len(reads) == 1:
+                raise OSError(5, "Input/output error")
+        real(self, target)
+    monkeypatch.setattr(disk.DiskFile, "read_into", third_read_of_block_0_fails)
+    _exact(m, x, expected, dev)  # took the copy read for it; its read of blocks.0 for the next call fails
+    _runtime(m).wait_for_copies()
+    assert reads == [first.base]  # ... already: issued in the call before the one that takes it
+    with pytest.raises(OSError) as caught, torch.no_grad():
+        m(x.to(dev))
+    assert caught.value.errno == 5 and "group 'blocks.0'" in "\n".join(caught.value.__notes__)
+    stats = offload_stats(m)
+    assert stats.live_device_bytes == 0 and stats.carried_bytes == 0
+    _exact(m, x, expected, dev)
+    reset_offload_stats(m)
+    _exact(m, x, expected, dev)
+    assert offload_stats(m).carry_hits == 3
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_reads_for_the_next_call_go_with_a_fault_another_graph_and_remove_offload(tmp_path, device):
+    """The reads a call issued for the next: a call that fails releases them, a call that takes another graph
+    (another input shape) drops them before its own copies, and remove_offload gives the weights back bit for
+    bit with the files closed, each right after a call left them in flight."""
+    dev = _device(device)
+    m, reference = _carrying(tmp_path, 15, dev)
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    x, other = torch.randn(2, 8), torch.randn(5, 8)
+    with torch.no_grad():
+        expected, expected_other = reference(x), reference(other)
+    _exact(m, x, expected, dev)
+    held = offload_stats(m).carried_bytes
+    assert held == 2 * BLOCK + _group(m, "inp").nbytes  # blocks 0 and 1 in flight or read for the next
+    inject_fault(m, "fetch", "blocks.3")
+    with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+        m(x.to(dev))
+    assert offload_stats(m).live_device_bytes == 0 and offload_stats(m).carried_bytes == 0
+    for inputs, out in ((x, expected), (other, expected_other), (x, expected), (other, expected_other)):
+        reset_offload_stats(m)
+        _exact(m, inputs, out, dev)
+        stats = offload_stats(m)
+        assert stats.peak_resident_bytes <= max(p.verified.peak_bytes for p in _runtime(m).graph_plans)
+        assert stats.live_device_bytes == stats.carried_bytes == held
+    files = [b.file for g in _runtime(m).groups for b in g.buckets if b.file is not None]
+    plain = remove_offload(m)
+    assert all(f.fd == -1 for f in files)
+    assert all(torch.equal(before[k], v) for k, v in plain.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(plain(x), expected)
+
+
 def test_a_budget_below_what_must_stay_in_memory_is_refused_with_the_figure(tmp_path):
     policy = OffloadPolicy(strategy="budget", offload_gb=BLOCK / 2**30, host_budget_gb=1e-6, disk_dir=str(tmp_path))
     model = _model()

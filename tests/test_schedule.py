@@ -149,3 +149,44 @@ def test_reads_ahead_never_put_two_copies_of_a_group_on_the_device_and_other_pre
         for b in instances[a.index + 1:]:
             if a.group == b.group:
                 assert instances[points[b.index]].start > a.end  # never two copies of one group
+
+
+def test_the_first_reads_from_disk_are_carried_where_the_reads_before_them_would_issue_them():
+    """With wrap-around, the reads a call issues at its start (the first prefetch + 1 of groups on disk) are
+    issued by the previous call at the wait of the read prefetch + 1 before them in the cyclic order (here
+    reads 2 and 3 of the four), but after every other prefetch and in the order the disk reads them."""
+    uses = [Use(g, g, g, key=g) for g in range(8)]  # 1, 3, 5 and 7 on disk, a group in memory before each
+    s = build_schedule(uses, 1, carry=True, read_ahead=frozenset({1, 3, 5, 7}))
+    assert s.prefetch_at == (0, 0, 1, 0, 3, 1, 5, 3)  # the call's own prefetches: as without carrying
+    assert s.carry_at == ((1, 5), (0, 7), (3, 7))  # read 0 at the wait of read 2 (5), read 1 at read 3's (7)
+    assert build_schedule(uses, 1, carry=True).carry_at == ((0, 7),)  # in memory: the first group only
+    # prefetch=2: three reads carried, each at the wait of the read three before it (reads 1, 2 and 3 of this
+    # call), the first no earlier than the call's last prefetch (at 4); the window is the one without carrying
+    s = build_schedule(uses, 2, carry=True, read_ahead=frozenset({1, 3, 5, 7}))
+    assert s.carry_at == ((1, 4), (3, 5), (0, 6), (5, 7))
+    sizes = dict.fromkeys(range(8), 10)
+    assert peak_bytes(s, sizes) == peak_bytes(build_schedule(uses, 2, read_ahead=frozenset({1, 3, 5, 7})), sizes)
+
+
+@given(use_sequences, st.integers(1, 3), st.integers(1, 3), st.sets(st.integers(0, 5)))
+def test_carried_reads_from_disk_are_the_reads_at_the_call_start_in_order_never_beside_their_own_copy(
+        seq, prefetch, max_runs, on_disk):
+    schedule = build_schedule(_uses(seq), prefetch, max_runs, carry=True, read_ahead=frozenset(on_disk))
+    plain = build_schedule(_uses(seq), prefetch, max_runs, read_ahead=frozenset(on_disk))
+    instances, n = schedule.instances, len(schedule.instances)
+    assert schedule.instances == plain.instances and schedule.prefetch_at == plain.prefetch_at
+    carried = [i for i, _ in schedule.carry_at]
+    assert len(carried) == len(set(carried)) and all(plain.prefetch_at[i] == 0 for i in carried)
+    reads = [i.index for i in instances if i.group in on_disk]
+    first_reads = []
+    for index in reads[:prefetch + 1]:
+        if plain.prefetch_at[index] != 0:
+            break
+        first_reads.append(index)
+    assert set(first_reads) <= set(carried)  # every read the call issues at its start, up to one that is not
+    assert [i for i in carried if i in reads] == first_reads  # in the order the disk reads them
+    points = [at for _, at in schedule.carry_at]
+    assert points == sorted(points) and points[0] >= max(schedule.prefetch_at)
+    for index, at in schedule.carry_at:
+        last_end = max(i.end for i in instances if i.group == instances[index].group)
+        assert at == n or instances[at].start > last_end  # never two copies of one group on the device

@@ -138,3 +138,21 @@ def test_a_later_graph_never_grows_a_slot_an_earlier_graph_planned():
     slots, later = pooling.plan(_one_at_a_time([1, 2]), fixed=first)
     assert later[("shared", (F32,))] == [((40, F32),), ((100, F32),)]  # the first slot kept its size
     assert slots[0] == (1, 1) and slots[1] == (2, 0)  # the small copy fits the earlier slot (best fit)
+
+
+def test_reads_carried_to_the_next_call_cost_no_slot_where_shorter_copies_can_borrow_theirs():
+    """The disk tier benchmark's Llama (15 fetches, prefetch=1; layers 0, 2, 4, 7 and 9 and the head on disk) with
+    prefetch_next_call: the first two reads (layers 0 and 2) are carried into the slots the next call starts
+    with. The layers between borrow those slots and give them back before the carries, so the head takes a slot
+    of its own among the block slots: the pool is the one without carrying (one slot of the head's size and
+    three of a layer's, shared by the dtype: the small groups' copies fit them), not one layer's more."""
+    from offload_compiler.passes.schedule import Use, build_schedule
+    from offload_compiler.passes.slots import schedule_pool_bytes
+    uses = [Use(g, g, g, key=g) for g in range(15)]
+    on_disk = frozenset({1, 3, 5, 8, 10, 14})
+    numel = {0: 64, 13: 1024, 14: 32768000}  # rotary's buffer, the norm, the head; the layers 11274240 each
+    size = lambda group: ((numel.get(group, 11274240), F32),)  # noqa: E731
+    carried = build_schedule(uses, 1, carry=True, read_ahead=on_disk)
+    assert [index for index, _ in carried.carry_at] == [1, 0, 3]  # layers 0 and 2 and rotary's buffer
+    alone = schedule_pool_bytes(build_schedule(uses, 1, read_ahead=on_disk), size)
+    assert schedule_pool_bytes(carried, size) == alone == 4 * (32768000 + 3 * 11274240)

@@ -8,7 +8,9 @@ form a *run*; each run is one *fetch instance* (fetched, used, evicted). A group
 With ``carry`` (prefetch wrap-around), the instances a call would prefetch at its very start are instead
 prefetched near the end of the previous call, where the next call's instances would be prefetched if the
 calls were one long sequence: their copies overlap the last groups' compute, and they stay on the device
-between calls (the graph's initial live bytes).
+between calls (the graph's initial live bytes). That includes the first ``prefetch + 1`` reads of groups on
+disk (``read_ahead``), which a call issues at its start: the previous call issues them once the reads before
+them in the cyclic order were waited for, so the disk reads on across the calls' boundary.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2, carry: boo
     spans.sort(key=lambda s: (s[0], s[1]))
     instances = tuple(Instance(i, group, start, end, run) for i, (start, group, end, run) in enumerate(spans))
     points = _prefetch_points(instances, prefetch, read_ahead)
-    return Schedule(instances, points, prefetch, _carry_points(instances, points, prefetch) if carry else ())
+    carried = _carry_points(instances, points, prefetch, read_ahead) if carry else ()
+    return Schedule(instances, points, prefetch, carried)
 
 
 def _prefetch_points(instances: tuple[Instance, ...], prefetch: int, read_ahead: frozenset[int] = frozenset()
@@ -118,25 +121,47 @@ def _prefetch_points(instances: tuple[Instance, ...], prefetch: int, read_ahead:
     return tuple(points)
 
 
-def _carry_points(instances: tuple[Instance, ...], points: tuple[int, ...], prefetch: int
-                  ) -> tuple[tuple[int, int], ...]:
-    """Where the next call's first instances (those prefetched at the very start) are prefetched in this call:
-    instance i at the wait of instance n - prefetch + i, as if calls were one sequence, but after this call's
-    last copy of its group is gone, after every other prefetch, and in order."""
+def _carry_points(instances: tuple[Instance, ...], points: tuple[int, ...], prefetch: int,
+                  read_ahead: frozenset[int] = frozenset()) -> tuple[tuple[int, int], ...]:
+    """Where the next call's first instances (those prefetched at the very start) are prefetched in this call,
+    as if calls were one sequence (`_cyclic_points`), but after this call's last copy of their group is gone,
+    after every other prefetch, and in the order of those points (reads from disk stay in their order: the
+    worker reads them in the order issued)."""
     n = len(instances)
     last_end: dict[int, int] = {}
     for inst in instances:
         last_end[inst.group] = inst.end
     carry: list[tuple[int, int]] = []
     at = max(points, default=0)
+    wanted = _cyclic_points(instances, points, prefetch, read_ahead)
+    for index in sorted(wanted, key=lambda i: (wanted[i], i)):
+        at = max(at, wanted[index])
+        while at < n and instances[at].start <= last_end[instances[index].group]:
+            at += 1
+        carry.append((index, at))
+    return tuple(carry)
+
+
+def _cyclic_points(instances: tuple[Instance, ...], points: tuple[int, ...], prefetch: int,
+                   read_ahead: frozenset[int]) -> dict[int, int]:
+    """instance -> where the previous call would prefetch it if calls were one sequence: the first ``prefetch``
+    instances at the wait of instance n - prefetch + i; the first ``prefetch + 1`` instances of ``read_ahead``
+    groups (read from the call's start, `_prefetch_points`) at the wait of the read ``prefetch + 1`` before
+    them counting on from the previous call's reads (0 where the previous call has too few), whichever is
+    earlier. Only instances prefetched at the call's start, and each list up to its first that is not."""
+    n = len(instances)
+    wanted: dict[int, int] = {}
     for inst in instances[:prefetch]:
         if points[inst.index] != 0:
             break
-        at = max(at, n - prefetch + inst.index)
-        while at < n and instances[at].start <= last_end[inst.group]:
-            at += 1
-        carry.append((inst.index, at))
-    return tuple(carry)
+        wanted[inst.index] = n - prefetch + inst.index
+    reads = [inst.index for inst in instances if inst.group in read_ahead]
+    for k, index in enumerate(reads[:prefetch + 1] if prefetch > 0 else []):
+        if points[index] != 0:
+            break
+        before = len(reads) + k - prefetch - 1  # the read prefetch + 1 before it, in the previous call
+        wanted[index] = min(wanted.get(index, n), reads[before] if before >= 0 else 0)
+    return wanted
 
 
 def peak_bytes(schedule: Schedule, nbytes: dict[int, int]) -> int:

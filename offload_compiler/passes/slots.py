@@ -83,7 +83,8 @@ def _grown(size: tuple | None, need: tuple) -> tuple:
 
 
 def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int],
-           size_of: Callable[[int], tuple], fixed: Sizes) -> tuple[dict[int, tuple[int, int]], Sizes]:
+           size_of: Callable[[int], tuple], fixed: Sizes, lend: bool = False
+           ) -> tuple[dict[int, tuple[int, int]], Sizes]:
     sizes: Sizes = {cls: list(had) for cls, had in fixed.items()}
     free: dict[tuple, set[int]] = {cls: set(range(len(had))) for cls, had in fixed.items()}  # earlier graphs'
     assigned: dict[int, tuple[int, int]] = {}
@@ -110,6 +111,8 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
             had[index] = _grown(had[index], need)
         return index
 
+    lent = _lendable(events) if lend else None
+    owner: dict[tuple, int] = {}  # (class, slot) -> the carried key whose carry it awaits
     for _, key, group, mode in events:  # carried copies are in their slots when the graph starts
         if mode == ADOPT and key not in assigned:
             cls = class_of(group)
@@ -117,6 +120,7 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
             index = place(cls, available - awaiting_carry.get(cls, set()), group)
             available.discard(index)
             assigned[key] = (group, index)
+            owner[cls, index] = key
             awaiting_carry.setdefault(cls, set()).add(index)
             if key in dedicated:
                 kept.setdefault(cls, set()).add(index)
@@ -133,8 +137,11 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
             awaiting_carry[cls].discard(index)
         elif key not in assigned:
             usable = available - kept.get(cls, set())
-            preferred = usable - awaiting_carry.get(cls, set())
-            index = place(cls, preferred or usable, group)
+            awaiting = awaiting_carry.get(cls, set())
+            preferred = usable - awaiting
+            # a slot awaiting a carry, to a fetch given back before that carry: the others stay free for longer ones
+            lendable = {i for i in usable & awaiting if lent is not None and lent(key, owner[cls, i])}
+            index = place(cls, lendable or preferred or usable, group)
             available.discard(index)
             assigned[key] = (group, index)
     return assigned, sizes
@@ -156,12 +163,41 @@ def plan_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callab
 def sized_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple] | None = None,
                 fixed: Sizes | None = None) -> tuple[dict[int, tuple[int, int]], Sizes]:
     """`plan_slots` and the size of each slot of each class: the largest group it holds, buffer by buffer."""
+    lends = (False, True) if any(mode == CARRY for _, _, _, mode in events) else (False,)
+    return min((_resolved(events, class_of, size_of or class_of, fixed or {}, lend) for lend in lends),
+               key=lambda planned: _held(planned[1]))
+
+
+def _held(sizes: Sizes) -> int:
+    """What a colouring's slots hold: their bytes (a slot of a class given without its sizes counts one)."""
+    return sum(class_bytes(size) if all(isinstance(part, tuple) for part in size) else 1
+               for had in sizes.values() for size in had if size is not None)
+
+
+def _resolved(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple], fixed: Sizes,
+              lend: bool) -> tuple[dict[int, tuple[int, int]], Sizes]:
+    """A colouring in which every carried copy finds its slot free where it is carried: a conflict keeps the
+    carried key's slot for it alone, and colours again. With ``lend``, a slot awaiting a carry is first given
+    to a fetch that gives it back before that carry (`_lendable`)."""
     dedicated: set[int] = set()
     while True:
         try:
-            return _color(events, class_of, dedicated, size_of or class_of, fixed or {})
+            return _color(events, class_of, dedicated, size_of, fixed, lend)
         except _Conflict as conflict:  # at most once per carried key
             dedicated.add(conflict.key)
+
+
+def _lendable(events: Events) -> Callable[[int, int], bool]:
+    """(fetch key, carried key) -> the fetch gives its slot back before the carried key is carried (by event
+    order; a fetch never given back, a parked one, never does)."""
+    given: dict[int, int] = {}
+    carried: dict[int, int] = {}
+    for position, (kind, key, _, mode) in enumerate(events):
+        if kind == "give":
+            given[key] = position
+        elif mode == CARRY:
+            carried[key] = position
+    return lambda key, carried_key: given.get(key, len(events)) < carried.get(carried_key, -1)
 
 
 def class_bytes(size_class: tuple) -> int:
