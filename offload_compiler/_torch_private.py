@@ -337,7 +337,12 @@ def model_raised(exc: BaseException) -> BaseException | None:
 def own_refusal(exc: BaseException) -> OffloadRefusal | None:
     """Our refusal under dynamo's wrappers: our backend refused a graph while dynamo compiled it, and dynamo
     reports that as ``BackendCompilerFailed`` (its message ends asking for a PyTorch bug report)."""
-    return next((error for error in _chain(exc) if isinstance(error, OffloadRefusal)), None)
+    return raised_within(exc, OffloadRefusal)
+
+
+def raised_within(exc: BaseException, kind: type) -> BaseException | None:
+    """The first error of class ``kind`` in ``exc``'s chain (what our backend raised, under dynamo's wrappers)."""
+    return next((error for error in _chain(exc) if isinstance(error, kind)), None)
 
 
 def cannot_capture_in_one_graph(exc: BaseException) -> bool:

@@ -185,6 +185,7 @@ class Variant:
 
 def _compile_variant(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime) -> Variant:
     _refuse_parameters_added_later(gm, example_inputs, runtime)
+    _refuse_float_region_inputs(gm)
     new_gm, num_outputs, plan = rewrite_graph(gm, example_inputs, runtime)
     index = runtime.add_graph_plan(plan)
     if runtime.policy.compiler == "inductor":
@@ -260,6 +261,22 @@ def _refuse_foreign_weights(passed: list, compiled_ids: tuple, rt: OffloadRuntim
         if compiled_id in rt.group_of and id(tensor) not in rt.group_of:
             name = next((s.name for g in rt.groups for s in g.slots if id(s.tensor) == compiled_id), "a weight")
             raise OffloadRefusal(_not_held(rt, f"a weight in place of {name}"))
+
+
+class RegionTakesAFloat(Exception):
+    """A nested compile region (``regional=True``) of a captured graph takes a float that dynamo traced as a
+    symbol (a number that changed between calls): torch's region call accepts tensors and integers only, and
+    the graph would fail at every call. Raised while dynamo compiles, so the call is captured again with the
+    blocks inline (`offloaded.forwards.drop_regions`)."""
+
+
+def _refuse_float_region_inputs(gm: fx.GraphModule) -> None:
+    region_call = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    for node in gm.graph.find_nodes(op="call_function", target=region_call) if region_call is not None else ():
+        floats = [arg for arg in node.args[2:] if isinstance(arg, float) or isinstance(arg, fx.Node)
+                  and isinstance(arg.meta.get("example_value"), (float, torch.SymFloat))]
+        if floats:
+            raise RegionTakesAFloat(f"a block's region takes a float that changed between calls ({floats[0]})")
 
 
 def _refuse_parameters_added_later(gm: fx.GraphModule, example_inputs: list, rt: OffloadRuntime) -> None:

@@ -170,10 +170,11 @@ def _drop_unread_inputs(gm: fx.GraphModule) -> list[int]:
     """Remove the inputs the fused graph no longer reads -- the streamed weights, whose leaves the transfers
     return -- and say which positions remain. The host masters never reach inductor: its runtime wrapper would
     otherwise unwrap every one of them (a tensor subclass) at every call, to pass on an inner tensor nothing
-    reads."""
+    reads. A size (a symbolic integer input) stays, read or not: inductor's code binds each symbol of the graph's
+    shapes from the input that carries it (torch 2.14 no longer finds it in a tensor input's sizes)."""
     read = []
     for index, node in enumerate([n for n in gm.graph.nodes if n.op == "placeholder"]):
-        if node.users:
+        if node.users or not isinstance(node.meta.get("val", node.meta.get("example_value")), torch.Tensor):
             read.append(index)
         else:
             gm.graph.erase_node(node)

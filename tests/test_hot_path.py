@@ -440,3 +440,19 @@ def test_a_zamba2_decodes_the_plain_models_tokens_under_inductor():
         reset_offload_stats(m)
         assert torch.equal(m.generate(ids, max_new_tokens=3, do_sample=False), expected)
     assert_traffic_matches_plan(m)
+
+
+def test_inductor_is_given_every_size_input_and_no_unread_weight():
+    """The inputs inductor is given: those the fused graph reads, and every size (a symbolic integer input), read
+    or not -- inductor's generated code binds each symbol of the graph's shapes from the input that carries it
+    (torch 2.14: a KV cache's length, unbound once its size input was dropped: NameError at the first decode)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    graph = torch.fx.Graph()
+    x, length, weight = (graph.placeholder(name) for name in ("x", "length", "weight"))
+    length.meta["example_value"] = ShapeEnv().create_unbacked_symint()
+    x.meta["example_value"] = torch.empty(2)
+    weight.meta["example_value"] = torch.empty(3)  # a streamed weight: its transfer's leaves are read instead
+    graph.output(graph.call_function(torch.neg, (x,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert lowering._drop_unread_inputs(gm) == [0, 1]
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "length"]

@@ -3,6 +3,7 @@ fetches, or refuses with the fix named. One state per model, reached one way, wh
 
 import contextvars
 import copy
+import functools
 import gc
 import resource
 import warnings
@@ -24,7 +25,8 @@ users_regions_fail_on_this_torch = pytest.mark.xfail(
     not REGIONS_TAKE_OFFLOADED_WEIGHTS, strict=True,
     reason="torch < 2.13: a block the user marked as a nested compile region cannot take offloaded weights")
 
-COMPILERS = ["eager", pytest.param("inductor", marks=pytest.mark.slow)]  # inductor: every route compiled, ~30 s
+# inductor: every route compiled, ~30 s; also in CI's runs on the other torch versions, whose inductor changes
+COMPILERS = ["eager", pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.newest_torch])]
 
 
 def _llama():
@@ -773,6 +775,141 @@ def test_regional_refused_by_dynamo_captures_the_model_whole_with_one_warning(de
         torch.testing.assert_close(m(x.to(device)).cpu(), expected)
         stats = assert_traffic_matches_plan(m)
         assert stats.fetch_count == 5 and stats.bytes_transferred == sum(p.numel() * 4 for p in m.parameters())
+
+
+class _NormedBlock(nn.Module):
+    """A block whose norm is an ``nn.Identity`` where ``plain`` (ModernBERT's first layer), a LayerNorm elsewhere."""
+
+    def __init__(self, plain: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.Identity() if plain else nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 16)
+        if not plain:
+            nn.init.uniform_(self.norm.weight, 2.0, 3.0)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+@needs_regions
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_regional_blocks_of_one_class_built_otherwise_are_regions_of_their_own(device, monkeypatch):
+    """Dynamo reuses a block's traced region for any later block of the class whose inputs match, whatever its
+    submodules: the LayerNorm blocks ran the first block's graph, which has no norm (off by about 1). Blocks are
+    regions by class and structure: the plain model's outputs."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if device == "sim" else device
+    seen = _captured_regions(monkeypatch)
+    torch.manual_seed(0)
+    model = _Blocks(_NormedBlock).eval()
+    model.blocks[0] = _NormedBlock(plain=True)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = model(x)
+        m = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device, regional=True))
+        torch.testing.assert_close(m(x.to(device)).cpu(), expected)
+    # the three LayerNorm blocks run one region graph; the other block is inline or a region graph of its own
+    assert seen[-1] in ((3, 1), (4, 2))
+    assert_traffic_matches_plan(m)
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, scale):
+        return x + self.fc(x) * scale
+
+
+class _ScaledBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(4))
+
+    def forward(self, x, scale):
+        for block in self.blocks:
+            x = block(x, scale)
+        return x
+
+
+@needs_regions
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_regional_blocks_given_a_float_that_changes_are_traced_inline_with_one_warning(device):
+    """A float that changes between calls is traced as a symbol from the second call on, and torch's region call
+    takes none (an assertion at every call after that). Such a graph is captured again with the blocks inline,
+    said once; the outputs and traffic are the plain model's and the plan's."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if device == "sim" else device
+    torch.manual_seed(0)
+    model = _ScaledBlocks().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device, regional=True))
+        torch.testing.assert_close(m(x.to(device), 1.0).cpu(), model(x, 1.0))
+        with pytest.warns(UserWarning, match=r"regional compilation is off for _ScaledBlocks.*a float that changed"):
+            got = m(x.to(device), 2.0).cpu()
+        torch.testing.assert_close(got, model(x, 2.0))
+        reset_offload_stats(m)
+        torch.testing.assert_close(m(x.to(device), 3.0).cpu(), model(x, 3.0))
+    assert assert_traffic_matches_plan(m).fetch_count == 4
+
+
+def _one_wrapper(forward):
+    """A decorator many classes share (transformers wraps its models' forwards in one ``wrapper``)."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+class _FactorBlock(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.factor = factor
+
+    def forward(self, x):
+        return x + self.fc(x) * self.factor
+
+
+class _ModelA(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_FactorBlock(factor) for _ in range(3))
+
+    @_one_wrapper
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _ModelB(_ModelA):
+    @_one_wrapper
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * 2
+        return x
+
+
+@needs_regions
+def test_regional_models_offloaded_one_after_another_trace_as_if_each_were_alone(monkeypatch):
+    """What dynamo learns of a frame's inputs (a float that differed between compiles becomes a symbol) is kept by
+    the frame's code file, line, name and the code it closes over; our frames' names are their own, so a second
+    model (another class, its forward wrapped by the same decorator, its blocks' factor another float) is traced
+    as if alone: its blocks one region, no fallback, the plain model's outputs."""
+    seen = _captured_regions(monkeypatch)
+    x = torch.randn(2, 16)
+    for cls, factor in ((_ModelA, 0.5), (_ModelB, 0.25)):
+        torch.manual_seed(0)
+        model = cls(factor).eval()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*regional compilation is off")
+            m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", regional=True))
+            torch.testing.assert_close(m(x), model(x))
+        assert seen[-1] == (3, 1)
+        assert_traffic_matches_plan(m)
 
 
 @needs_regions

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import types
 import warnings
 from typing import Any
 
@@ -23,10 +24,10 @@ import torch
 from torch import nn
 
 from .._torch_private import compile_under_config, config_for_call, filter_fake_tensor_log, inlined_only, \
-    is_tracing_error, leave_fullgraph_region, model_error, own_refusal, restore_fullgraph_region, \
+    is_tracing_error, leave_fullgraph_region, model_error, own_refusal, raised_within, restore_fullgraph_region, \
     short_reason, symbolic_sizes, user_frame
 from .._transformers_private import hooks_see_the_active_collector
-from ..backend import RuntimeBackend
+from ..backend import RegionTakesAFloat, RuntimeBackend
 from ..errors import OffloadRefusal
 from ..host_masters import GUARD_FILTER, HostMaster
 from ..planning.auto import OffloadPlan
@@ -325,6 +326,18 @@ def _region_where_reusable(region: Any, inline: Any) -> Any:
     return traced
 
 
+def _region_body(forward: Any) -> Any:
+    """``forward`` called from a code object of its own. Dynamo keeps what it traced of a nested compile region by
+    the code object of the function marked, and reuses it for any later call of that code whose inputs match:
+    the forwards of many classes share one code object (transformers' decorators wrap them in one ``wrapper``),
+    and a second model's blocks ran the first model's region -- a mismatch dynamo refused at run time, or the
+    other model's computation where the inputs happened to match."""
+    def region(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+    return types.FunctionType(region.__code__.replace(), region.__globals__, region.__name__, region.__defaults__,
+                              region.__closure__)
+
+
 _FINGERPRINTED = (torch.Tensor, bool, int, float, str, nn.Module)
 
 
@@ -346,18 +359,21 @@ def _fingerprintable(values: Any) -> bool:
 _ROUTED: dict[tuple, type] = {}
 
 
-def routed_class(cls: type, region: bool = False, own_forward: bool = False) -> type:
+def routed_class(cls: type, region: bool = False, own_forward: bool = False, structure: tuple | None = None) -> type:
     """The class a routed part of class ``cls`` gets: one per class (and ``region``, ``own_forward``), made once,
     with the class's names (in messages and repr, and for libraries that key what they know of a class on its
     name) and the signature of its forward (``inspect.signature(part.forward)``). ``region``: a block of a stack
-    under ``OffloadPolicy(regional=True)``, traced as a nested compile region of its class. ``own_forward``: the
-    instance set a ``forward`` of its own before offloading, which it runs instead of the class's."""
-    key = (cls, region and not own_forward, own_forward)
+    under ``OffloadPolicy(regional=True)``, traced as a nested compile region of its class and ``structure``
+    (`targets.block_structure`): one region per class and structure, reused only for blocks built alike.
+    ``own_forward``: the instance set a ``forward`` of its own before offloading, which it runs instead of the
+    class's."""
+    region = region and not own_forward
+    key = (cls, region, own_forward, structure if region else None)
     if key not in _ROUTED:
         if own_forward:
             traced, region_forward = _own_forward, None
         elif region:
-            region_forward = torch.compiler.nested_compile_region(cls.forward)
+            region_forward = torch.compiler.nested_compile_region(_region_body(cls.forward))
             traced = _region_where_reusable(region_forward, cls.forward)
         else:
             traced, region_forward = cls.forward, None
@@ -445,10 +461,11 @@ def install_forwards(model: nn.Module, state: OffloadState) -> None:
     for module in weight_holders(state, model):
         if module in state.parts:  # ``auto``, planned now: its blocks may become regions
             if module in regions and type(module)._offload_region is None and OWN_FORWARD not in module.__dict__:
-                state.reroute(module, routed_class(state.parts[module], region=True))
+                state.reroute(module, routed_class(state.parts[module], region=True, structure=regions[module]))
         elif module not in routed and type(module).forward is not nn.Module.forward:
             own = "forward" in module.__dict__
-            state.route_part(module, routed_class(type(module), region=module in regions, own_forward=own))
+            state.route_part(module, routed_class(type(module), region=module in regions, own_forward=own,
+                                                  structure=regions.get(module)))
 
 
 def drop_regions(state: OffloadState, failure: BaseException) -> bool:
@@ -461,8 +478,9 @@ def drop_regions(state: OffloadState, failure: BaseException) -> bool:
 
 def _warn_regions_off(state: OffloadState, refused: BaseException) -> None:
     """The call made again with the blocks inline succeeded: say once that regions are off, and why."""
+    reason = raised_within(refused, RegionTakesAFloat) or short_reason(str(refused))
     warnings.warn(f"offload_compiler: regional compilation is off for {state.name}: dynamo could not trace its "
-                  f"blocks as reusable regions ({short_reason(str(refused))}); each block is traced inline "
+                  f"blocks as reusable regions ({reason}); each block is traced inline "
                   f"instead (a longer first capture, the same streaming)", UserWarning, stacklevel=user_stacklevel())
 
 

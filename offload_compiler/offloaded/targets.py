@@ -88,16 +88,28 @@ def weight_holders(state: OffloadState, model: nn.Module) -> list[nn.Module]:
 REGION_STRATEGIES = ("layerwise", "budget", "auto")
 
 
-def region_blocks(state: OffloadState, model: nn.Module) -> set[nn.Module]:
-    """``regional``: the blocks traced as nested compile regions -- the repeated blocks of the model's stacks whose
-    offloaded weights are all in one group, under the strategies that stream whole blocks. A region's weights
-    are fetched together before it runs, so a block split across groups (a dominant block streamed by its parts,
-    an MoE layer's experts fetched routed) or the finer groups of ``sequential`` are traced inline instead."""
+def region_blocks(state: OffloadState, model: nn.Module) -> dict[nn.Module, tuple]:
+    """``regional``: the blocks traced as nested compile regions, each with its `block_structure` -- the repeated
+    blocks of the model's stacks whose offloaded weights are all in one group, under the strategies that stream
+    whole blocks. A region's weights are fetched together before it runs, so a block split across groups (a
+    dominant block streamed by its parts, an MoE layer's experts fetched routed) or the finer groups of
+    ``sequential`` are traced inline instead."""
     runtime = state.runtime
     if not (state.policy.regional and state.regions and runtime is not None
             and state.policy.strategy in REGION_STRATEGIES):
-        return set()
+        return {}
     def one_group(block: nn.Module) -> bool:
         return len({runtime.group_of[id(t)][0] for t in itertools.chain(block.parameters(), block.buffers())
                     if id(t) in runtime.group_of}) == 1
-    return set(repeated_blocks(model, state.policy, keep=one_group))
+    return {block: block_structure(block) for block in repeated_blocks(model, state.policy, keep=one_group)}
+
+
+def block_structure(block: nn.Module) -> tuple:
+    """What a block is built of: its submodules' names and classes (by name: a routed part keeps its class's), its
+    parameters' and buffers' names, shapes and dtypes. Dynamo reuses a traced region for a block whatever its
+    submodules are (a ModernBERT layer whose ``attn_norm`` is an ``nn.Identity``, the others' a LayerNorm, ran
+    the first layer's graph): blocks built otherwise are regions of their own."""
+    modules = tuple((name, type(m).__module__, type(m).__qualname__) for name, m in block.named_modules())
+    parameters, buffers = ((tuple((name, tuple(t.shape), t.dtype) for name, t in named))
+                           for named in (block.named_parameters(), block.named_buffers()))
+    return modules, parameters, buffers

@@ -3,6 +3,7 @@ model's calibration probes)."""
 
 from __future__ import annotations
 
+import itertools
 import types
 from typing import Any, Callable
 
@@ -20,12 +21,21 @@ def own_frame(function: Any) -> Any:
     forwards share one decorator ``wrapper`` -- on that shared code object: a later ``torch.compile`` of any model
     with that forward (``backend="omni_offload"`` included) would then meet dynamo's recompile limit at its
     first call and silently run un-compiled (for ``omni_offload``: un-offloaded), and every call of every model
-    would check all those graphs' guards. Dynamo traces into ``function`` from here (inlined, no cache entry)."""
+    would check all those graphs' guards. Dynamo traces into ``function`` from here (inlined, no cache entry).
+    The code object's name is its own too: what dynamo learns of a frame's inputs across compiles (a number
+    that changed between calls, traced as a symbol from then on) is kept by the code's file, line, name and
+    the code of the function it closes over -- shared by every transformers forward --, so one model's
+    compiles would change how another's are traced (a second model's float made dynamic, which its nested
+    compile regions then cannot take)."""
     def offloaded_call(*args: Any, **kwargs: Any) -> Any:
         return function(*args, **kwargs)
-    code = offloaded_call.__code__.replace()  # a new code object, not shared with any other forward
-    return types.FunctionType(code, offloaded_call.__globals__, offloaded_call.__name__, offloaded_call.__defaults__,
+    name = f"offloaded_call_{next(_FRAMES)}"
+    code = offloaded_call.__code__.replace(co_name=name, co_qualname=name)  # not shared with any other forward
+    return types.FunctionType(code, offloaded_call.__globals__, name, offloaded_call.__defaults__,
                               offloaded_call.__closure__)
+
+
+_FRAMES = itertools.count()
 
 
 class _Captured(Exception):
