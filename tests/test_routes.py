@@ -681,6 +681,21 @@ def test_regional_traces_a_stacks_block_once_and_each_block_streams_its_own_weig
         assert seen[1:] == [(0, 0)]
 
 
+@needs_regions
+def test_a_blocks_region_is_called_from_its_routed_forward_itself():
+    """Under ``regional=True`` the routed forward calls the block's nested compile region itself, with the
+    block's ``*args, **kwargs`` as its call gave them: a frame of ours in between (passing them on again) made
+    dynamo's first call of a tiny DiT 5 ms slower per block, in the region's input fingerprint
+    (benchmarks/regional_phases.py). The choice of region or inline code stays the forward's own."""
+    from offload_compiler.offloaded.forwards import routed_class
+    routed = routed_class(_PlainBlock, region=True)
+    forward = routed.__dict__["forward"]
+    closure = dict(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__)))
+    assert closure["region"] is routed._offload_region is not None
+    assert closure["traced"] is _PlainBlock.forward  # inline, where dynamo could not reuse the region
+    assert routed_class(_PlainBlock).__dict__["forward"].__code__ is forward.__code__  # one code object
+
+
 _BODY_TRACES = []
 
 

@@ -290,15 +290,18 @@ def _plain_tensor(master: HostMaster, parameter: bool) -> torch.Tensor:
     return nn.Parameter(master.host, requires_grad=master.requires_grad) if parameter else master.host
 
 
-def _routed_forward(traced: Any) -> Any:
+def _routed_forward(traced: Any, region: Any = None) -> Any:
     """A routed class's forward. Where dynamo traces an offloaded call it traces straight into ``traced(self,
-    ...)`` -- the class's own forward, its nested compile region, or `_own_forward` -- chosen when the class was
+    ...)`` -- the class's own forward or `_own_forward` -- or, for a block under ``regional=True``, into its
+    nested compile ``region`` where dynamo can reuse it (`_region_where_reusable`), chosen when the class was
     made, so the trace reads no attribute of the instance to choose (nor walks the class's MRO) and dynamo
     guards nothing per module for the choice. Called from Python (by hand, from a method of the model, from a
     frame of an offloaded call that dynamo runs without a graph), it runs the module's own offloaded graph."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and _tracing_an_offloaded_call():
+            if region is not None and _region_where_reusable(args, kwargs):
+                return region(self, *args, **kwargs)  # called from here: no frame of ours between (see there)
             return traced(self, *args, **kwargs)
         return _route(self, *args, **kwargs)
     return inlined_only(forward)  # one code object for every routed class: marked once
@@ -310,20 +313,19 @@ def _own_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module.__dict__[OWN_FORWARD](*args, **kwargs)
 
 
-def _region_where_reusable(region: Any, inline: Any) -> Any:
-    """What a block traced as a nested compile region runs where dynamo traces an offloaded call: the region where
-    dynamo could reuse it for the next block, its code inline where it could not. Dynamo reuses a region only for
-    calls whose inputs it can fingerprint (tensors, numbers, strings, None, modules, and tuples, lists and dicts of
-    them); any other object -- a transformers KV cache, which every decoder layer also writes into -- makes it
-    trace the region again at every block, paying on top of inline tracing the region's own costs (the body
-    speculated as a subgraph, the inputs flattened through its traced pytree, the new graph compared with each
-    one installed before), for no reuse. The choice reads only the types of the call's inputs: no guard per block."""
-
-    def traced(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _fingerprintable(args) and _fingerprintable(kwargs.values()):
-            return region(self, *args, **kwargs)
-        return inline(self, *args, **kwargs)
-    return traced
+def _region_where_reusable(args: tuple, kwargs: dict) -> bool:
+    """Whether a block traced as a nested compile region runs as the region where dynamo traces an offloaded
+    call (dynamo could reuse it for the next block), rather than its code inline (it could not). Dynamo reuses a
+    region only for calls whose inputs it can fingerprint (tensors, numbers, strings, None, modules, and tuples,
+    lists and dicts of them); any other object -- a transformers KV cache, which every decoder layer also writes
+    into -- makes it trace the region again at every block, paying on top of inline tracing the region's own
+    costs (the body speculated as a subgraph, the inputs flattened through its traced pytree, the new graph
+    compared with each one installed before), for no reuse. The choice reads only the types of the call's
+    inputs: no guard per block. The region is called from the routed forward itself: with one more frame of ours
+    between the block's call and the region (passing ``*args, **kwargs`` on), dynamo's fingerprint of the
+    region's inputs took 20 ms per block of a tiny DiT against plain ``torch.compile``'s 12 (the first call 5 ms
+    more per block; benchmarks/regional_phases.py), though it traced the same instructions."""
+    return _fingerprintable(args) and _fingerprintable(kwargs.values())
 
 
 def _region_body(forward: Any) -> Any:
@@ -373,11 +375,10 @@ def routed_class(cls: type, region: bool = False, own_forward: bool = False, str
         if own_forward:
             traced, region_forward = _own_forward, None
         elif region:
-            region_forward = torch.compiler.nested_compile_region(_region_body(cls.forward))
-            traced = _region_where_reusable(region_forward, cls.forward)
+            traced, region_forward = cls.forward, torch.compiler.nested_compile_region(_region_body(cls.forward))
         else:
             traced, region_forward = cls.forward, None
-        forward = _routed_forward(traced)
+        forward = _routed_forward(traced, region_forward)
         forward.__name__ = forward.__qualname__ = "forward"
         try:
             forward.__signature__ = inspect.signature(cls.forward)
