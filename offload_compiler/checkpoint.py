@@ -268,16 +268,17 @@ def converted(model: nn.Module, entries: dict[str, Entry], weights: dict[str, to
     out = dict(entries)
     pieces: dict[str, list[tuple[str, Merged]]] = {}
     for key, (target, merged) in names.items():
-        if target not in weights or (target != key and target in entries):  # the model's own name comes first
+        if target not in weights or key in weights and target != key:
             continue
+        if target != key and target in entries:  # which from_pretrained takes depends on its order
+            raise CheckpointError(f"the checkpoint holds {target} twice: under that name, and as {key}, which "
+                                  f"from_pretrained converts into it; keep one of them. {_WRITE_ONCE}")
         if merged is not None and merged.transpose is not None:
             out[target] = _transposed(target, weights[target], entries[key], merged.transpose, model_name)
         elif target == key:  # from_pretrained changes the values of a tensor whose name it keeps
             raise CheckpointError(f"from_pretrained converts {key} of the checkpoint with {merged.unsupported} while "
                                   f"loading it into {model_name}; offload_compile reads tensors as they are or "
                                   f"stacked, concatenated or transposed. {_WRITE_ONCE}")
-        elif key in weights:
-            continue
         elif merged is None:
             out[target] = entries[key]
         else:
@@ -325,8 +326,7 @@ def _assembled(target: str, weight: torch.Tensor, keys: list[tuple[str, Merged]]
     fits = (len(shape) >= 2 and all(len(k) == shape[0] for k in by_part)
             and all(s is not None and tuple(s[1:]) == shape[2:] for s in first)
             and sum(s[0] for s in first) == shape[1]
-            and all(entries[k].shape == first[p] for p in range(parts) for k in by_part[p])
-            and len({entries[k].dtype for k, _ in keys}) == 1)
+            and all(entries[k].shape == first[p] for p in range(parts) for k in by_part[p]))
     if not fits:
         sample = [(k, list(entries[k].shape)) for k, _ in keys[:3]]
         raise CheckpointError(f"{target} has shape {list(shape)} in {model_name}, but its pieces in the "
@@ -399,10 +399,19 @@ class _Reader:
             self.progress.update(entry.nbytes)
 
     def _assemble(self, target: torch.Tensor, weight: Assembled) -> None:
-        direct = target.dtype == weight.dtype and target.is_contiguous()
-        into = target if direct else torch.empty(weight.shape, dtype=weight.dtype)
+        """Each piece read into its place: straight into ``target`` where it is contiguous and of the piece's
+        dtype, else through a buffer of the piece's own (a piece in another dtype is cast, as a whole tensor is)."""
+        direct = target.is_contiguous()
+        into = target if direct else torch.empty(weight.shape, dtype=target.dtype)
+        flat = into.view(-1)
         for entry, element in weight.pieces:
-            self._read(into.data_ptr() + element * weight.dtype.itemsize, entry)
+            if entry.dtype == into.dtype:
+                self._read(into.data_ptr() + element * into.element_size(), entry)
+            else:
+                held = torch.empty(entry.shape, dtype=entry.dtype)
+                self._read(held.data_ptr(), entry)
+                with torch.no_grad():
+                    flat[element:element + held.numel()].copy_(held.view(-1))
             if self.progress is not None:
                 self.progress.update(entry.nbytes)
         if not direct:

@@ -253,6 +253,38 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_the_weight(tmp_path):
     assert all(t.is_meta for t in empty.parameters())  # nothing was read into the model
 
 
+def _pretrained_tensors(path):
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def test_an_expert_piece_in_another_dtype_is_cast_as_from_pretrained_casts_it(tmp_path):
+    ref, empty = _moe("mixtral")
+    ref.save_pretrained(tmp_path / "pretrained")
+    tensors = _pretrained_tensors(tmp_path / "pretrained")
+    piece = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    tensors[piece] = tensors[piece].to(torch.bfloat16)
+    (tmp_path / "mixed").mkdir()
+    save_file(tensors, str(tmp_path / "mixed" / "model.safetensors"))
+    (tmp_path / "mixed" / "config.json").write_text((tmp_path / "pretrained" / "config.json").read_text())
+    model = offload_compile(empty, OffloadPolicy(strategy="layerwise"), checkpoint=tmp_path / "mixed")
+    loaded = type(ref).from_pretrained(tmp_path / "mixed").eval()
+    for name, weight in model.state_dict().items():
+        assert torch.equal(weight, loaded.state_dict()[name]), name
+
+
+def test_a_weight_held_both_fused_and_expert_by_expert_is_refused_naming_both(tmp_path):
+    """Which of the two from_pretrained takes depends on the order it reads them in: neither is guessed."""
+    ref, empty = _moe("mixtral")
+    ref.save_pretrained(tmp_path / "pretrained")
+    tensors = _pretrained_tensors(tmp_path / "pretrained")
+    tensors["model.layers.1.mlp.experts.gate_up_proj"] = ref.model.layers[1].mlp.experts.gate_up_proj.detach() * 0
+    save_file(tensors, str(tmp_path / "both.safetensors"))
+    message = _refused(tmp_path / "both.safetensors", empty)
+    assert "holds model.layers.1.mlp.experts.gate_up_proj twice" in message
+    assert "model.layers.1.block_sparse_moe.experts." in message
+
+
 def test_experts_held_transposed_load_as_from_pretrained_transposes_them(tmp_path):
     """Qwen3-VL-MoE's published checkpoints hold the fused experts transposed ([E, H, 2I]); from_pretrained
     transposes them where the shapes differ. Loading does the same: the weights equal from_pretrained's, and the

@@ -97,9 +97,10 @@ def _same(got, expected):
 
 # 2
 def test_traced_hooks_read_the_collector_without_a_graph_break(layer_and_inputs):
-    """A hooked layer's forward compiled with fullgraph=True breaks at its attention hook's ContextVar read
-    (what the touch point works around); inside `hooks_see_the_active_collector` it is one graph, records
-    into the collector active in Python, and with none active records nothing. The state is restored."""
+    """A hooked layer's forward compiled with fullgraph=True breaks at its attention hook's ContextVar read on
+    torch 2.13 and before (what the touch point works around; torch 2.14 traces the read); inside
+    `hooks_see_the_active_collector` it is one graph on every torch, records into the collector active in
+    Python, and with none active records nothing. The state is restored."""
     model, embedded, rotary = layer_and_inputs
     private.install_capturing_hooks(model)
     layer = model.model.layers[0]
@@ -108,8 +109,10 @@ def test_traced_hooks_read_the_collector_without_a_graph_break(layer_and_inputs)
     assert len(recorded["attentions"]) == 1 and len(recorded["hidden_states"]) == 2
     compiled = torch.compile(layer.forward, backend="eager", fullgraph=True)  # the layer's own hook: not traced
     with torch.no_grad():
-        with pytest.raises(Exception, match="ContextVar"):
-            compiled(embedded, position_embeddings=rotary)
+        try:
+            assert torch.equal(compiled(embedded, position_embeddings=rotary), expected)  # torch 2.14+
+        except Exception as error:
+            assert "ContextVar" in str(error)
         torch._dynamo.reset()
         with private.hooks_see_the_active_collector():
             assert torch.equal(compiled(embedded, position_embeddings=rotary), expected)  # none active
