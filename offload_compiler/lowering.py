@@ -136,19 +136,20 @@ def _replace(node: fx.Node, call_function, index_args: tuple) -> None:
     node.graph.erase_node(node)
 
 
-# inductor's per-output checks of extern kernels' results; the transfer op's leaves are described exactly to it
-# (`register_transfer_lowering`), and these checks would cost two calls per leaf per call. Always the Python
-# wrapper: inductor's C++ wrapper (torch 2.13) reads the transfer op's Tensor[] result as one tensor and crashes
-# the process, so a global ``cpp_wrapper=True`` must not reach our graphs
 def _code_hash() -> str:
-    """What inductor's generated code for our graphs depends on beyond the graph: this lowering and the functions
-    of `ops` it calls by name."""
+    """What inductor's generated code for our graphs depends on beyond the graph: this lowering, the functions of
+    `ops` it calls by name, and `_torch_private`'s reading of inductor's IR (which kernel is renamed)."""
     digest = hashlib.sha256()
-    for module in (sys.modules[__name__], offload_ops):
+    for module in (sys.modules[__name__], offload_ops, sys.modules[inductor_kernel_of.__module__]):
         digest.update(pathlib.Path(module.__file__).read_bytes())
     return digest.hexdigest()
 
 
+# inductor's per-output checks of extern kernels' results; the transfer op's leaves are described exactly to it
+# (`register_transfer_lowering`), and these checks would cost two calls per leaf per call. Always the Python
+# wrapper: inductor's C++ wrapper (torch 2.13) reads the transfer op's Tensor[] result as one tensor and crashes
+# the process, so a global ``cpp_wrapper=True`` must not reach our graphs. The salt: the caches never hand back
+# code another version of this lowering generated
 _INDUCTOR_CONFIG = {"size_asserts": False, "alignment_asserts": False, "cpp_wrapper": False,
                     **inductor_cache_salt(_code_hash())}
 ALIGNMENT = 16  # bytes: what inductor assumes of an extern kernel's outputs unless told otherwise

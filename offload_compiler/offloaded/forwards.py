@@ -16,7 +16,6 @@ import contextlib
 import copy
 import inspect
 import logging
-import types
 import warnings
 from typing import Any
 
@@ -328,18 +327,6 @@ def _region_where_reusable(args: tuple, kwargs: dict) -> bool:
     return _fingerprintable(args) and _fingerprintable(kwargs.values())
 
 
-def _region_body(forward: Any) -> Any:
-    """``forward`` called from a code object of its own. Dynamo keeps what it traced of a nested compile region by
-    the code object of the function marked, and reuses it for any later call of that code whose inputs match:
-    the forwards of many classes share one code object (transformers' decorators wrap them in one ``wrapper``),
-    and a second model's blocks ran the first model's region -- a mismatch dynamo refused at run time, or the
-    other model's computation where the inputs happened to match."""
-    def region(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
-    return types.FunctionType(region.__code__.replace(), region.__globals__, region.__name__, region.__defaults__,
-                              region.__closure__)
-
-
 _FINGERPRINTED = (torch.Tensor, bool, int, float, str, nn.Module)
 
 
@@ -375,7 +362,7 @@ def routed_class(cls: type, region: bool = False, own_forward: bool = False, str
         if own_forward:
             traced, region_forward = _own_forward, None
         elif region:
-            traced, region_forward = cls.forward, torch.compiler.nested_compile_region(_region_body(cls.forward))
+            traced, region_forward = cls.forward, torch.compiler.nested_compile_region(cls.forward)
         else:
             traced, region_forward = cls.forward, None
         forward = _routed_forward(traced, region_forward)

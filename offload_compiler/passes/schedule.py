@@ -98,9 +98,9 @@ def _prefetch_points(instances: tuple[Instance, ...], prefetch: int, read_ahead:
     ``prefetch + 1`` before it where that is earlier, the first ``prefetch + 1`` at the call's start: a read
     takes longer than a copy from memory, and the worker reads one file at a time, in the order issued, so the
     reads are issued by their own count, not by the groups between them: the disk reads from the call's start,
-    the reads overlap the groups in memory between them, and when a read ends the next one is already queued even where the call
-    has not yet reached the group just read (it computes groups in memory before it). Its slot is held from
-    there: the plan's peak counts it."""
+    the reads overlap the groups in memory between them, and when a read ends the next one is already queued
+    even where the call has not yet reached the group just read (it computes groups in memory before it). Its
+    slot is held from there: the plan's peak counts it."""
     points: list[int] = []
     last_end: dict[int, int] = {}
     ordered = 0  # the latest point so far: the other prefetches keep their order
