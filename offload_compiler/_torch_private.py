@@ -54,8 +54,8 @@ warning asks subclasses for it): torch calls it, we call nothing, and without it
    ``MultiOutput``, the ``data`` of a lowered value; ``custom_graph_pass.CustomGraphPass``, whose ``uuid``
    salts the FX-graph cache key). Inductor has no public Python API. Tests:
    ``test_inductor_entry_points_take_what_we_pass`` (signatures and graph state, fast);
-   ``test_inductor_calls_our_builtins_and_its_cache_knows_our_lowering`` (a compile, on every torch CI runs);
-   tests/test_hot_path.py.
+   ``test_inductor_calls_our_builtins_on_this_torch`` (a compile, on every torch CI runs);
+   ``test_inductor_cache_holds_our_lowering_in_its_key`` (fresh processes); tests/test_hot_path.py.
 8. ``torch.utils._pytree`` (`pytree`): nested inputs and outputs as torch and transformers register them (model
    outputs, caches). No public module in torch 2.13/2.14 (``torch.utils.pytree`` does not exist).
    Test: ``test_pytree_walks_registered_containers``.

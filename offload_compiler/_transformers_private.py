@@ -20,12 +20,14 @@ them). Where a touch point is missing, what needs it does what it did without it
    does under compile. Missing or changed: hooks graph-break as before (correct, one graph per hooked piece).
    Test: ``test_traced_hooks_read_the_collector_without_a_graph_break``.
 3. The checkpoint conversion of ``from_pretrained`` (``conversion_mapping.get_model_conversion_mapping``, which
-   peft calls too, and ``core_model_loading.rename_source_key``, ``WeightConverter``, ``MergeModulelist``,
-   ``Concatenate``): the names ``save_pretrained`` writes that the model holds under others, and the experts it
-   writes one by one that the model holds fused (`checkpoint_names`). transformers has no public call that maps
-   a checkpoint's names without loading its tensors. Missing: a checkpoint is read under the model's own names
+   peft calls too, and ``core_model_loading.rename_source_key``, ``WeightConverter`` and its ``operations``
+   and ``source_patterns``, ``MergeModulelist``, ``Concatenate``, ``Transpose``): the names ``save_pretrained``
+   writes that the model holds under others, the experts it writes one by one that the model holds fused, and
+   the tensors it holds transposed (`checkpoint_names`). transformers has no public call that maps a
+   checkpoint's names without loading its tensors. Missing: a checkpoint is read under the model's own names
    only, and one saved expert by expert is refused naming the fix.
-   Test: ``test_checkpoint_names_follow_from_pretrained``.
+   Tests: ``test_checkpoint_names_follow_from_pretrained``,
+   ``test_without_the_conversion_functions_no_name_is_mapped``; the loads themselves in tests/test_checkpoint.py.
 """
 
 from __future__ import annotations

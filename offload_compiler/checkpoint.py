@@ -236,9 +236,9 @@ def _sources(model: nn.Module, entries: dict[str, Entry]) -> dict[int, Source]:
             raise CheckpointError(
                 f"the checkpoint holds {per_expert[0]} expert by expert (such as {per_expert[1]}), as transformers' "
                 f"save_pretrained writes a mixture-of-experts model, but {type(model).__name__} holds its experts fused "
-                f"({missing[:2]}); transformers converts them while loading, offload_compile reads each weight under "
-                f"the model's own state_dict name. Write such a checkpoint once from the model loaded on the CPU: "
-                f"safetensors.torch.save_file(model.state_dict(), 'model.safetensors'); nothing was changed")
+                f"({missing[:2]}), and transformers' conversion table has no merge of them for this model (custom "
+                f"code, or a transformers without one), so offload_compile cannot tell how they fuse. "
+                f"{_WRITE_ONCE}; nothing was changed")
         sample = sorted(entries)[:3]
         raise CheckpointError(f"the checkpoint lacks {len(missing)} weights of {type(model).__name__} that are on the "
                               f"meta device, such as {missing[:4]} (it holds names such as {sample}); {FIX}")

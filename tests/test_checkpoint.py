@@ -213,6 +213,19 @@ def test_a_mixture_of_experts_saved_expert_by_expert_loads_fused_as_from_pretrai
     assert stats.expert_bytes > 0 and stats.on_demand_bytes == 0
 
 
+def test_experts_saved_one_by_one_without_transformers_conversion_table_are_refused_naming_the_fix(tmp_path,
+                                                                                                   monkeypatch):
+    """Where transformers has no conversion for the model (custom code, a transformers without the table), the
+    pieces cannot be placed: refused, saying so and naming the checkpoint that loads; nothing changed."""
+    from offload_compiler import _transformers_private
+    ref, empty = _moe("qwen3_moe")
+    ref.save_pretrained(tmp_path / "pretrained")
+    monkeypatch.setattr(_transformers_private, "_conversion", lambda: None)
+    message = _refused(tmp_path / "pretrained", empty)
+    assert "expert by expert" in message and "conversion table has no merge" in message
+    assert "save_file(model.state_dict()" in message
+
+
 def test_experts_saved_one_by_one_load_onto_the_disk_tier_and_the_simulated_device(tmp_path):
     from offload_compiler.testing import simulated_device
     ref, empty = _moe("qwen3_moe", seed=1)

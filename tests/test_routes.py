@@ -909,11 +909,14 @@ class _ModelB(_ModelA):
 
 
 @needs_regions
-def test_regional_models_offloaded_one_after_another_trace_as_if_each_were_alone(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_regional_models_offloaded_one_after_another_trace_as_if_each_were_alone(device, monkeypatch):
     """What dynamo learns of a frame's inputs (a float that differed between compiles becomes a symbol) is kept by
     the frame's code file, line, name and the code it closes over; our frames' names are their own, so a second
     model (another class, its forward wrapped by the same decorator, its blocks' factor another float) is traced
     as if alone: its blocks one region, no fallback, the plain model's outputs."""
+    from offload_compiler.testing import simulated_device
+    device = simulated_device() if device == "sim" else device
     seen = _captured_regions(monkeypatch)
     x = torch.randn(2, 16)
     for cls, factor in ((_ModelA, 0.5), (_ModelB, 0.25)):
@@ -921,8 +924,9 @@ def test_regional_models_offloaded_one_after_another_trace_as_if_each_were_alone
         model = cls(factor).eval()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*regional compilation is off")
-            m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", regional=True))
-            torch.testing.assert_close(m(x), model(x))
+            m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device,
+                                                                    regional=True))
+            torch.testing.assert_close(m(x.to(device)).cpu(), model(x))
         assert seen[-1] == (3, 1)
         assert_traffic_matches_plan(m)
 

@@ -227,7 +227,8 @@ def test_inductor_calls_our_builtins_on_this_torch(monkeypatch):
     """Under inductor the generated code calls torch's linear itself for each linear (`lowering._call_directly`,
     which finds the extern kernel of the op's output in inductor's IR: a ``MultiOutput`` in torch 2.13, the
     kernel itself in 2.14), and the outputs are the plain model's."""
-    from offload_compiler import OffloadPolicy, offload_compile, ops
+    from offload_compiler import OffloadPolicy, offload_compile, ops, reset_offload_stats
+    from offload_compiler.testing import assert_traffic_matches_plan
     calls = []
     builtin = ops.direct_linear
     monkeypatch.setattr(ops, "direct_linear", lambda *args: calls.append(len(args)) or builtin(*args))
@@ -238,8 +239,10 @@ def test_inductor_calls_our_builtins_on_this_torch(monkeypatch):
         expected = model(x)
         m = offload_compile(model, OffloadPolicy(strategy="layerwise", compiler="inductor"))
         torch.testing.assert_close(m(x), expected)
+        reset_offload_stats(m)
         torch.testing.assert_close(m(x), expected)
     assert len(calls) == 2 * 3 and all(n == 3 for n in calls)  # input, weight, bias: each linear, nothing else
+    assert assert_traffic_matches_plan(m).fetch_count == 3  # each block streamed, as planned
 
 
 _CACHED_COMPILE = """
