@@ -296,6 +296,5 @@ def _not_held(rt: OffloadRuntime, what: str) -> str:
             f"read from wherever it is, un-offloaded. Either the model changed after offloading (a module added or "
             f"replaced, a new nn.Parameter assigned): change it un-offloaded, m = remove_offload(m), then "
             f"offload_compile(m, policy) (to change weights in place, assign p.data = new_tensor or load_state_dict); "
-            f"or this is another {rt.model_name} sharing dynamo's compiled code through "
-            f"torch.compile(backend='omni_offload'): use offload_compiler.offload_compile(model, policy) for each "
-            f"model, or torch.compiler.reset() between them")
+            f"or this is another {rt.model_name}, which dynamo called this model's compiled code for: compile that "
+            f"one too, torch.compile(model, backend='omni_offload', options=...), or offload_compile(model, policy)")

@@ -95,6 +95,76 @@ def test_both_routes_go_through_the_same_phases():
             state.check_usable()
 
 
+class _Stack(nn.Module):
+    """A model of its own class (dynamo's cache is per code object: no other test's graphs are reused here)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _streams_its_plan(model: nn.Module, plain: nn.Module, call, x: torch.Tensor) -> None:
+    if isinstance(model, OffloadedModule):
+        reset_offload_stats(model)
+    with torch.no_grad():
+        assert torch.equal(call(x), plain(x))
+    stats = assert_traffic_matches_plan(model)
+    assert isinstance(model, OffloadedModule) and stats.calls == 1 and stats.fetch_count == 4
+    assert stats.bytes_transferred == stats.total_bytes and stats.peak_resident_bytes < stats.total_bytes
+
+
+@pytest.mark.parametrize("how", ["the wrapper again", "compiled again", "compiled again in place"])
+def test_after_remove_offload_the_backend_route_offloads_the_model_again(how):
+    """Dynamo keeps the graphs the backend compiled in the cache of the model's code, and calls them again where
+    the plain model's guards hold: after remove_offload, for the old wrapper and for a new compile with the same
+    options alike. Each such graph finds the model not offloaded, and offloads it again, as its first call did."""
+    from offload_compiler import remove_offload
+    options = {"strategy": "layerwise", "device": "cpu", "prefetch": 1}
+    model = _Stack(0)
+    plain = copy.deepcopy(model)
+    if how == "compiled again in place":
+        model.compile(backend="omni_offload", options=options)
+        call = model
+    else:
+        call = torch.compile(model, backend="omni_offload", options=options)
+    _streams_its_plan(model, plain, call, torch.randn(2, 16))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    remove_offload(model)
+    assert not isinstance(model, OffloadedModule)
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
+    if how == "compiled again":
+        call = torch.compile(model, backend="omni_offload", options=options)
+    elif how == "compiled again in place":
+        model.compile(backend="omni_offload", options=options)
+    _streams_its_plan(model, plain, call, torch.randn(2, 16))
+
+
+def test_another_model_of_the_class_compiled_with_the_same_options_is_offloaded_too():
+    """The backend's graph is reused by dynamo for a second instance of the class compiled alike; that graph
+    offloads the model whose weights it is given, each with its own runtime, and removing one leaves the other
+    offloaded."""
+    from offload_compiler import remove_offload
+    options = {"strategy": "layerwise", "device": "cpu", "prefetch": 1}
+    first, second = _Stack(1), _Stack(2)
+    plains = copy.deepcopy(first), copy.deepcopy(second)
+    calls = [torch.compile(first, backend="omni_offload", options=options),
+             torch.compile(second, backend="omni_offload", options=options)]
+    for _ in range(2):
+        for model, plain, call in zip((first, second), plains, calls):
+            _streams_its_plan(model, plain, call, torch.randn(2, 16))
+    remove_offload(first)
+    _streams_its_plan(second, plains[1], calls[1], torch.randn(2, 16))
+    with torch.no_grad():
+        x = torch.randn(2, 16)
+        assert torch.equal(first(x), plains[0](x)) and not isinstance(first, OffloadedModule)
+
+
 @pytest.mark.slow  # a fresh interpreter
 @pytest.mark.newest_torch
 def test_backend_is_found_without_importing_the_package():

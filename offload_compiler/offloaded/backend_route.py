@@ -50,15 +50,10 @@ def omni_offload(gm: fx.GraphModule, example_inputs: list, options: dict | None 
             "compiled, or weights that are no module's parameters). Use offload_compiler.offload_compile(model, "
             "policy) instead")
     state = state_of(root)
-    if state is None:
-        refuse_other_offloaders(root)
-        state = OffloadState(root, policy, build_runtime(root, policy, pack_now=False))
-        state.publish()
-        return _AttachAtFirstRun(compile_graph(gm, example_inputs, state.runtime), state)
-    if state.policy != policy:
+    if state is not None and state.policy != policy:
         raise ValueError(f"{state.name} is already offloaded with another policy ({state.policy}); "
                          f"remove_offload(model) first, then compile it with the new options")
-    return compile_graph(gm, example_inputs, state.runtime)
+    return ModelGraph(gm, root, policy, example_inputs)
 
 
 def model_holding(example_inputs: list) -> nn.Module | None:
@@ -76,22 +71,61 @@ def model_holding(example_inputs: list) -> nn.Module | None:
     return inner[0] if inner else None
 
 
-class _AttachAtFirstRun:
-    """The first graph of ``omni_offload``: the model is made offloaded in place when this graph first runs,
-    not while dynamo is still compiling (it checks its guards on the model right after the backend returns)."""
+class ModelGraph:
+    """A graph ``omni_offload`` compiled. It belongs to the code it was traced from and the options it was
+    compiled with, not to one offload of one model: dynamo keeps it in that code's cache for as long as the
+    process lives and calls it wherever the code's guards hold again -- after ``remove_offload(model)``, the
+    wrapper called again or the model compiled again with the same options (one cache per code object; the
+    backend compares equal), or another instance of the class compiled with the same options. So each run
+    finds the offload of the model whose weights it is given, as it is now: the first run for a model offloads
+    it in place (not while dynamo is still compiling: it checks its guards on the model right after the backend
+    returns), and so does the first run after ``remove_offload``. The graph is compiled for each offload it
+    runs on, once."""
 
-    def __init__(self, run: Any, state: OffloadState) -> None:
-        self._run = run
-        self._state = state
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, policy: OffloadPolicy, example_inputs: list) -> None:
+        self._gm = gm
+        self._policy = policy
+        self._bound: dict[nn.Module, tuple[OffloadState, Any]] = {}  # model -> its offload, this graph compiled for it
+        self._bind(model, list(example_inputs))
+        self._last = model
+
+    def _bind(self, model: nn.Module, inputs: list) -> tuple[OffloadState, Any]:
+        """This graph compiled for ``model``'s offload now, made (pending: the classes are swapped when the graph
+        has run) where the model is not offloaded."""
+        state = state_of(model)
+        if state is None:
+            refuse_other_offloaders(model)
+            state = OffloadState(model, self._policy, build_runtime(model, self._policy, pack_now=False))
+            state.publish()
+        self._bound[model] = bound = (state, compile_graph(self._gm, inputs, state.runtime))
+        return bound
 
     def __call__(self, *args: Any) -> Any:
-        state = self._state
+        model = self._model_of(args)
+        state, run = self._bound.get(model) or self._bind(model, list(args))
+        if state.phase is Phase.DETACHED:
+            live = state_of(model)
+            if live is None or live.policy == self._policy:  # removed, or offloaded again alike: run on that
+                state, run = self._bind(model, list(args))
         with state.lock:
-            if state.phase is not Phase.PENDING:  # attached by an earlier run, or removed since
-                return self._run(*args)
-            out = self._run(*args)  # over the plain weights it was traced with, streamed by its own plan
+            if state.phase is not Phase.PENDING:  # attached by an earlier run; or detached (offloaded again
+                return run(*args)                  # otherwise), which the graph's runner refuses by name
+            out = run(*args)  # over the plain weights it was traced with, streamed by its own plan
             state.use_runtime_with_masters()
             attach(state, [state.owner])
             install_forwards(state.owner, state)
             return out
 
+    def _model_of(self, args: tuple) -> nn.Module:
+        """The model whose parameters this call passes: the last one it ran for (one set test per call), else
+        another compiled model holding them (`model_holding`). Parameters no compiled model holds stay with the
+        last model, whose runner refuses them by name."""
+        if _holds(self._last, args):
+            return self._last
+        self._last = next((m for m in self._bound if _holds(m, args)), None) or model_holding(list(args)) or self._last
+        return self._last
+
+
+def _holds(model: nn.Module, args: tuple) -> bool:
+    held = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    return all(id(t) in held for t in args if isinstance(t, nn.Parameter))
