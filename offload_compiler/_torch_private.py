@@ -52,8 +52,11 @@ warning asks subclasses for it): torch calls it, we call nothing, and without it
    our ``transfer`` op (``lowering.register_lowering``, ``lowering.fallback_handler``, ``virtualized.V.graph``'s
    ``never_reuse_buffers``/``unaligned_buffers``, ``ir.FallbackKernel``'s codegen and the IR around it:
    ``MultiOutput``, the ``data`` of a lowered value; ``custom_graph_pass.CustomGraphPass``, whose ``uuid``
-   salts the FX-graph cache key). Inductor has no public Python API. Tests:
+   salts the FX-graph cache key); ``codegen.common``'s registry of code generators per device type
+   (`inductor_generates_code_for`: ``compiler="inductor"`` is refused up front on a device it has none for, the
+   simulated one). Inductor has no public Python API. Tests:
    ``test_inductor_entry_points_take_what_we_pass`` (signatures and graph state, fast);
+   ``test_inductor_knows_which_devices_it_generates_code_for``;
    ``test_inductor_calls_our_builtins_on_this_torch`` (a compile, on every torch CI runs);
    ``test_inductor_cache_holds_our_lowering_in_its_key`` (fresh processes); tests/test_hot_path.py.
 8. ``torch.utils._pytree`` (`pytree`): nested inputs and outputs as torch and transformers register them (model
@@ -475,6 +478,17 @@ def inductor_compile(gm: Any, example_inputs: list, config_patches: dict | None 
     """Inductor's compile of a graph our backend made (what ``torch.compile``'s default backend runs)."""
     from torch._inductor.compile_fx import compile_fx
     return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def inductor_generates_code_for(device_type: str) -> bool:
+    """Whether inductor has a kernel code generator (its "scheduling") and a wrapper code generator registered for
+    ``device_type``: without them every compile for that device fails inside inductor (``KeyError: 'sim'``, a
+    ``LoweringException``), at each call. Inductor registers its own devices' generators lazily
+    (``init_backend_registration``); an out-of-tree device registers its own (``register_backend_for_device``)."""
+    from torch._inductor.codegen import common
+    common.init_backend_registration()
+    return (common.get_scheduling_for_device(device_type) is not None
+            and common.get_wrapper_codegen_for_device(device_type) is not None)
 
 
 def register_inductor_lowering(op: Any) -> Callable[[Callable], Callable]:

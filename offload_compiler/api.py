@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ._torch_private import compiled_module_of
+from ._torch_private import compiled_module_of, inductor_generates_code_for
 from .components import with_component
 from .checkpoint import CheckpointError, check_checkpoint, load_checkpoint, load_layout
 from .errors import OffloadSavingWarning
@@ -56,6 +56,7 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     if not isinstance(model, nn.Module) and policy.strategy == "none":
         raise TypeError(f"strategy='none' keeps every weight on the device: for a pipeline object "
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
+    _refuse_inductor_without_code_for(policy)
     refuse_other_offloaders(model, policy)
     filled = _load(model, policy, checkpoint) if checkpoint is not None else {}
     if not isinstance(model, nn.Module):
@@ -64,6 +65,16 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     offload_module(model, policy, filled)
     _check_saving(model, policy)
     return model
+
+
+def _refuse_inductor_without_code_for(policy: OffloadPolicy) -> None:
+    """A ValueError, before anything changes, where ``compiler='inductor'`` meets a device inductor generates no
+    code for (the simulated accelerator): accepted, the model would fail inside inductor at every call."""
+    device = policy.torch_device.type
+    if policy.compiler == "inductor" and not inductor_generates_code_for(device):
+        raise ValueError(f"compiler='inductor' cannot compile for device={policy.device!r}: inductor has no code "
+                         f"generator for {device!r} devices, so every call would fail inside it. Use compiler='eager' (the "
+                         f"rewritten graph run as is): {spelled(policy, compiler='eager')}; nothing was changed")
 
 
 def _already_offloaded(model: Any, state: OffloadState) -> str:

@@ -247,10 +247,36 @@ class GraphRunner:
                 # the graph's frames in the traceback would keep its device copies alive as long as the
                 # caller keeps the exception; the error itself (type, message, lines) is unchanged
                 traceback.clear_frames(exc.__traceback__.tb_next if exc.__traceback__ else None)
+                named = _lookup_past_its_table(self._gm, args, rt) if isinstance(exc, IndexError) else None
+                if named is not None:
+                    raise IndexError(named) from exc
                 raise
             finally:
                 rt.end_call()
         return out[0] if variant.num_outputs < 0 else tuple(out[:variant.num_outputs])
+
+
+def _lookup_past_its_table(gm: fx.GraphModule, args: tuple, rt: OffloadRuntime) -> str | None:
+    """After a call failed with an IndexError: torch's "index out of range in self" with the table named, where a
+    lookup of the graph (``F.embedding(ids, w)``, ``ids`` an input of the graph) was given an index outside the
+    table's rows -- negative, or past its end. A routed lookup names its table itself (`routed`); one fetched
+    whole (tied to the output projection, a symbolic index size) fails inside torch's kernel, which names
+    nothing. Checked only once the call failed: checking every call would read the indices on the host, a device
+    synchronization per lookup."""
+    inputs = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    for node in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.embedding):
+        ids, table = (node.args + (None, None))[:2]
+        if ids not in inputs or table not in inputs:
+            continue
+        ids, table = args[inputs[ids]], args[inputs[table]]
+        if not isinstance(ids, torch.Tensor) or not isinstance(table, torch.Tensor) or not ids.numel():
+            continue
+        low, high, rows = int(ids.min()), int(ids.max()), table.shape[0]
+        if low < 0 or high >= rows:
+            where = rt.group_of.get(id(table))
+            name = rt.groups[where[0]].slots[where[1]].name if where is not None else f"a {tuple(table.shape)} table"
+            return f"index out of range in self: {name} has {rows} rows, an index named {low if low < 0 else high}"
+    return None
 
 
 def _refuse_foreign_weights(passed: list, compiled_ids: tuple, rt: OffloadRuntime) -> None:

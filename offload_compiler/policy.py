@@ -10,7 +10,7 @@ import numbers
 import os
 import sys
 import warnings
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -275,17 +275,26 @@ class OffloadPolicy:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "OffloadPolicy":
-        """The policy named by ``torch.compile(..., options=...)``: ``{"policy": OffloadPolicy}`` or fields."""
-        options = dict(options or {})
+        """The policy named by ``torch.compile(..., options=...)``: ``{"policy": OffloadPolicy}``, fields, or the
+        policy itself (torch hands a backend's ``options`` over as given)."""
+        if isinstance(options, OffloadPolicy):
+            return options
+        try:
+            options = dict(options or {})
+        except (TypeError, ValueError):  # torch passes options on unchecked: a string, a number
+            raise ValueError(f"omni_offload options must be a dict of policy fields, {{'policy': OffloadPolicy(...)}} "
+                             f"or an OffloadPolicy; got {type(options).__name__}") from None
+        fields = sorted(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(options) - set(fields) - {"policy"})
+        if unknown:
+            close = closest_name(unknown[0], [*fields, "policy"])
+            hint = f"did you mean {close!r}? " if close else ""
+            raise ValueError(f"unknown omni_offload option(s) {unknown}; {hint}valid options are {fields} or 'policy'")
         if "policy" in options:
             policy = options.pop("policy")
             if not isinstance(policy, OffloadPolicy):
                 raise ValueError(f"options['policy'] must be an OffloadPolicy; got {type(policy).__name__}")
             return policy.replace(**options) if options else policy
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - fields)
-        if unknown:
-            raise ValueError(f"unknown omni_offload option(s) {unknown}; valid options are {sorted(fields)} or 'policy'")
         return cls(**options)
 
 
@@ -303,13 +312,20 @@ def spelled(policy: OffloadPolicy, **changes: Any) -> str:
     return f"OffloadPolicy({', '.join(shown)})"
 
 
+def closest_name(name: str, known: Iterable[str]) -> str | None:
+    """The known name a misspelt ``name`` most likely meant (``prefech``: ``prefetch``), or None: the one
+    suggestion every "unknown field/option/key" message of the policy makes."""
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return close[0] if close else None
+
+
 def _refuse_unknown_fields(cls: type, fields: Mapping[str, Any]) -> None:
     """A TypeError naming the closest field for a misspelt keyword (``prefech=2``: did you mean 'prefetch'?)."""
     known = sorted(f.name for f in dataclasses.fields(cls))
     for name in fields:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"the fields are {known}"
+            close = closest_name(name, known)
+            hint = f"did you mean {close!r}?" if close else f"the fields are {known}"
             raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}; {hint}")
 
 
@@ -380,8 +396,8 @@ def check_keys(args: Mapping[str, Any], where: str = "engine args") -> None:
     known = OFFLOAD_ARGS | POLICY_FIELDS | ENGINE_ARGS
     for key in args:
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = closest_name(key, known)
+            hint = f"; did you mean {close!r}?" if close else ""
             raise ValueError(f"unknown key {key!r} in {where}{hint}")
 
 

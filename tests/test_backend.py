@@ -71,6 +71,16 @@ def test_options_may_carry_a_policy_and_stats_reset():
     assert offload_stats(compiled).fetch_count == 0 and offload_stats(compiled).bytes_transferred == 0
 
 
+def test_options_may_be_the_policy_itself():
+    """``options=policy`` (torch hands options over unchecked) failed with "'OffloadPolicy' object is not iterable"."""
+    model, x = build_block_model(ModelSpec(8, (BlockSpec("mlp", 8),) * 2, False, True, 2, 1))
+    policy = OffloadPolicy(strategy="sequential", device="cpu", prefetch=0)
+    compiled = torch.compile(model, backend="omni_offload", options=policy)
+    with torch.no_grad():
+        compiled(x)
+    assert isinstance(model, OffloadedModule) and offload_stats(compiled).fetch_count > 0
+
+
 def test_both_routes_go_through_the_same_phases():
     """One state machine (`Phase`): attached once a route offloaded the model, detached by remove_offload, after
     which the old state refuses every use."""

@@ -507,6 +507,20 @@ def test_budget_that_streams_no_more_than_the_prefetch_holds_is_warned_about():
     assert saved_bytes(fixed) >= 2 * layer
 
 
+def test_budget_that_overshoots_and_saves_nothing_is_warned_about_both():
+    """offload_gb of half a decoder layer: budget streams a whole layer (an overshoot), and with prefetch=1 that
+    layer and the one prefetched are on the device at once, so it saves nothing (verified). One warning says both, the saving's fix included."""
+    model, inputs, layer = four_layer_llama()
+    policy = OffloadPolicy(strategy="budget", device="cpu", compiler="eager", prefetch=1, offload_gb=layer / 2 / 2**30)
+    with pytest.warns(OffloadSavingWarning) as record:
+        offloaded = offload_compile(model, policy)
+    offloaded(**inputs)
+    assert saved_bytes(offloaded) <= 0
+    warned = [str(w.message) for w in record if issubclass(w.category, OffloadSavingWarning)]
+    assert len(warned) == 1
+    assert re.search(r"budget streams .* offload_gb=.*Also: budget saves no device memory .*prefetch=1 holds 2", warned[0])
+
+
 def test_budget_with_one_group_of_prefetch_names_no_prefetch_0_that_saves_nothing():
     """One layer streamed: prefetch=0 would hold it alone, saving nothing too, so it is not offered."""
     model, _, layer = four_layer_llama()

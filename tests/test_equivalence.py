@@ -1,6 +1,8 @@
 """Random block stacks × strategies × prefetch depth × compiler: outputs equal the plain model, and the
 ledger proves the weights moved and how many were on the device at once."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -78,3 +80,33 @@ def test_the_component_strategies_draw_valid_policies_for_the_components_named(m
 def test_the_component_strategies_without_components_name_the_argument():
     with pytest.raises(ValueError, match=r"components=\['encoder'"):
         policies(strategies=["alternating"])
+
+
+def test_a_nan_the_plain_model_does_not_have_is_the_largest_difference():
+    """``max(worst, nan)`` keeps ``worst``: the difference was reported as 0.0 where an output was NaN."""
+    from offload_compiler.testing import _max_abs_diff
+    nan, inf = float("nan"), float("inf")
+    assert math.isnan(_max_abs_diff(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0])))  # a NaN of its own
+    assert math.isnan(_max_abs_diff(torch.tensor([1.0, 2.0]), torch.tensor([nan, 2.0])))  # a number for a NaN
+    assert _max_abs_diff(torch.tensor([nan, inf, 1.5]), torch.tensor([nan, inf, 1.0])) == 0.5  # NaN in both: equal
+
+
+class _NaNWhenCompiled(torch.nn.Module):
+    """Three linear blocks; traced (the offloaded graph), the first element of the output becomes NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        if torch.compiler.is_compiling():
+            x = torch.where(torch.arange(x.numel()).view_as(x) == 0, float("nan"), x)
+        return x
+
+
+def test_an_output_nan_where_the_plain_model_has_a_number_is_named_in_the_failure():
+    policy = OffloadPolicy(strategy="layerwise", device="cpu", compiler="eager")
+    with pytest.raises(AssertionError, match=r"output 0 differs .*max diff nan: 1 NaN\(s\) where the plain model has a number"):
+        assert_offload_equivalent(_NaNWhenCompiled(), policy, torch.randn(2, 8))

@@ -185,3 +185,37 @@ def test_under_inductor_the_lookups_are_ordered_as_the_verified_graph_says(monke
         following = next(n for n in after if name(n) == "offload_compiler::transfer")
         assert lookup in ancestors(following)  # and the next transfer after it
 
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("tied", [False, True], ids=["routed", "fetched_whole"])
+@pytest.mark.parametrize("index", [-200, VOCAB + 372], ids=["negative", "past_the_end"])
+def test_an_index_outside_the_table_names_it_routed_or_fetched_whole(device, tied, index):
+    """Routed, the lookup names its table; fetched whole (tied to the output projection), torch's kernel fails
+    with "index out of range in self" alone, which the runner completes with the table's name. A negative index
+    alike: F.embedding takes none."""
+    plain, ids = _llama()
+    if tied:
+        plain.lm_head.weight = plain.get_input_embeddings().weight
+    device = _device(device)
+    m = offload_compile(copy.deepcopy(plain), OffloadPolicy(strategy="layerwise", device=device, debug_poison=True))
+    with torch.no_grad():
+        m(input_ids=ids.to(device))
+        bad = ids.clone()
+        bad[0, 3] = index
+        with pytest.raises(IndexError, match=f"model.embed_tokens.weight has {VOCAB} rows, an index named {index}"):
+            m(input_ids=bad.to(device))
+        torch.testing.assert_close(m(input_ids=ids.to(device)).logits.cpu(), plain(input_ids=ids).logits)
+    assert offload_stats(m).live_device_bytes == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_an_embedding_called_with_a_new_shape_names_its_table_for_a_negative_index(device):
+    """An nn.Embedding of its own group; the bad call's index has another shape (a graph of its own)."""
+    device = _device(device)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)).eval()
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device))
+    with torch.no_grad():
+        m(torch.randint(0, 50, (2, 5)).to(device))
+        with pytest.raises(IndexError, match=r"0.weight has 50 rows, an index named -1"):
+            m(torch.tensor([[1, -1, 3]]).to(device))

@@ -91,6 +91,19 @@ def test_from_options():
         OffloadPolicy.from_options({"policy": {"strategy": "layerwise"}})
 
 
+def test_from_options_takes_a_policy_itself_and_suggests_the_field_meant():
+    """``options=OffloadPolicy(...)`` failed with "'OffloadPolicy' object is not iterable"; a misspelt field got
+    the list of fields but no suggestion, where next to a policy it got one: both paths suggest alike."""
+    base = OffloadPolicy(device="cpu", prefetch=2)
+    assert OffloadPolicy.from_options(base) is base
+    with pytest.raises(ValueError, match=r"unknown omni_offload option\(s\) \['prefetchh'\]; did you mean 'prefetch'\? valid"):
+        OffloadPolicy.from_options({"prefetchh": 1})
+    with pytest.raises(ValueError, match=r"\['prefetchh'\]; did you mean 'prefetch'\?"):
+        OffloadPolicy.from_options({"policy": base, "prefetchh": 2})
+    with pytest.raises(ValueError, match="options must be a dict of policy fields.*got str"):
+        OffloadPolicy.from_options("layerwise")
+
+
 @pytest.mark.parametrize("build", [lambda: OffloadPolicy(prefech=2),
                                    lambda: OffloadPolicy(device="cpu").replace(prefech=2)])
 def test_a_misspelt_keyword_names_the_closest_field(build):

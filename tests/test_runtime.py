@@ -1,5 +1,7 @@
 """Runtime and verification: the ledger, host masters, weight updates, and what happens to a bad schedule."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -106,6 +108,19 @@ def test_plan_and_stats_describe_the_run():
     stats = offload_stats(m)
     assert stats.live_device_bytes == 0  # nothing outlives the call
     assert "moved" in str(stats) and stats.peak_resident_bytes == m._offload_runtime.graph_plans[0].verified.peak_bytes
+
+
+def test_stats_show_small_figures_in_a_unit_that_shows_them_and_count_one_fetch_as_one():
+    """A tiny model's routed fetch and carried copy are kilobytes: printed as "0.00 MiB in 1 routed fetches"."""
+    from offload_compiler.runtime import OffloadStats
+    text = str(OffloadStats(bytes_transferred=3 * 2**20, peak_resident_bytes=2**20, fetch_count=1, live_device_bytes=0,
+                            resident_bytes=0, streamed_bytes=2**20, total_bytes=2**20, carried_bytes=1536,
+                            carry_hits=1, routed_bytes=768, routed_fetches=1))
+    assert "moved 3.000 MiB in 1 fetch;" in text
+    assert "1.500 KiB prefetched for the next call (1 used)" in text
+    assert "768 B in 1 routed fetch (the rows indices named)" in text and "0.00 MiB" not in text
+    assert "in 2 routed fetches" in str(dataclasses.replace(OffloadStats(0, 0, 2, 0, 0, 0, 1), routed_bytes=5,
+                                                            routed_fetches=2))
 
 
 def test_dropping_the_model_frees_its_runtime():

@@ -311,6 +311,19 @@ def test_aot_eager_traces_the_device_path():
         torch.testing.assert_close(compiled(x.to(DEVICE)).cpu(), _plain(model, x))
 
 
+@simulator_only
+def test_inductor_is_refused_for_the_simulated_device_naming_eager_and_the_model_is_untouched():
+    """Inductor generates no code for the simulated device: accepted, every call failed inside inductor
+    (``KeyError: 'sim'``). Refused before anything changes; the CPU still takes inductor."""
+    model, x = _model()
+    before, cls = {k: v.clone() for k, v in model.state_dict().items()}, type(model)
+    with pytest.raises(ValueError, match=r"compiler='inductor' cannot compile for device='sim:0'.*compiler='eager'"):
+        offload_compile(model, _policy().replace(compiler="inductor"))
+    assert type(model) is cls and "forward" not in vars(model)
+    assert all(torch.equal(before[k], v) and v.device.type == "cpu" for k, v in model.state_dict().items())
+    offload_compile(model, OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor"))  # not run
+
+
 def _carrying_model():
     model, x = _model()
     m = offload_compile(copy.deepcopy(model).eval(), _policy(prefetch=1, prefetch_next_call=True))

@@ -210,6 +210,14 @@ def test_inductor_entry_points_take_what_we_pass():
         private.inductor_graph().never_reuse_buffers
 
 
+def test_inductor_knows_which_devices_it_generates_code_for():
+    """The CPU and CUDA have inductor's code generators (whether or not a GPU is here); the simulated device,
+    torch's PrivateUse1 renamed, has none, so a compile for it fails inside inductor at every call."""
+    from offload_compiler.testing import simulated_device
+    assert private.inductor_generates_code_for("cpu") and private.inductor_generates_code_for("cuda")
+    assert not private.inductor_generates_code_for(torch.device(simulated_device()).type)
+
+
 class _NormLinear(nn.Module):
     def __init__(self, width=16, blocks=3):
         super().__init__()

@@ -51,7 +51,9 @@ class OffloadStats:
         return max(self.device_weight_bytes, self.peak_resident_bytes + self.unmanaged_bytes)
 
     def __str__(self) -> str:
-        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        # each figure in the unit that shows it: a routed fetch or a carried copy of a small model is kilobytes,
+        # which a fixed MiB printed as 0.00
+        mib = readable_bytes
         total = self.total_bytes + self.unmanaged_bytes
         kept = f", {mib(self.unmanaged_bytes)} kept on the device" if self.unmanaged_bytes else ""
         carried = (f"; {mib(self.carried_bytes)} prefetched for the next call ({self.carry_hits} used)"
@@ -61,9 +63,9 @@ class OffloadStats:
         carried += (f"; {mib(self.disk_bytes)} on disk, {mib(self.disk_bytes_read)} read from it"
                     if self.disk_bytes else "")
         carried += (f"; experts {mib(self.expert_bytes_per_call)} per call" if self.expert_bytes else "")
-        carried += (f"; {mib(self.routed_bytes)} in {self.routed_fetches} routed fetches (the rows indices named)"
-                    if self.routed_fetches else "")
-        return (f"moved {mib(self.bytes_transferred)} in {self.fetch_count} fetches; "
+        carried += (f"; {mib(self.routed_bytes)} in {counted(self.routed_fetches, 'routed fetch', 'routed fetches')} "
+                    f"(the rows indices named)" if self.routed_fetches else "")
+        return (f"moved {mib(self.bytes_transferred)} in {counted(self.fetch_count, 'fetch', 'fetches')}; "
                 f"device weights held {mib(self.peak_device_weight_bytes)} of {mib(total)} "
                 f"({mib(self.pool_bytes)} of device slots; {mib(self.resident_bytes)} resident, "
                 f"{mib(self.streamed_bytes)} streamed{kept}); copies in flight at most "
@@ -110,8 +112,9 @@ def describe(runtime) -> str:
                      f"{residency}{' from disk' if g.on_disk else ''}{_subclass_note(g)}")
     for i, plan in enumerate(runtime.graph_plans):
         v = plan.verified
-        carried = f"; {mib(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
-        routed = f" + {v.routed_fetches} routed (at most {mib(v.routed_bound_bytes)})" if v.routed_fetches else ""
+        carried = f"; {readable_bytes(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""
+        routed = (f" + {v.routed_fetches} routed (at most {readable_bytes(v.routed_bound_bytes)})"
+                  if v.routed_fetches else "")
         lines.append(f"  graph {i}: {plan.num_nodes} nodes, {v.fetches} fetches{routed} per call, "
                      f"predicted peak {mib(v.peak_bytes)} ({mib(v.resident_bytes)} resident + "
                      f"{mib(v.streamed_peak_bytes)} streamed{carried}); device slots {mib(plan.pool_bytes)}")
@@ -148,6 +151,11 @@ def _expert_lines(runtime, plan) -> list[str]:
         lines.append(f"    whole {runtime.groups[group].name}: all experts fetched (bound is every expert, or read "
                      f"other than by router indices)")
     return lines
+
+
+def counted(n: int, one: str, many: str) -> str:
+    """``n`` with its noun, singular for one: ``1 routed fetch``, ``3 routed fetches``."""
+    return f"{n} {one if n == 1 else many}"
 
 
 def readable_bytes(nbytes: int) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import torch
@@ -264,6 +265,30 @@ class EquivalenceReport:
     peak_device_weight_bytes: int = 0
 
 
+def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest absolute difference between two floating tensors of one shape, NaN where one of them is NaN
+    where the other is not (a NaN the plain model does not have is the largest difference there is; ``abs().max()``
+    would give NaN only by chance of reduction order, and ``max(worst, nan)`` drops it). Equal values are 0 (two
+    equal infinities too); places NaN in both count as equal."""
+    g, e = got.detach().float().cpu(), expected.detach().float().cpu()
+    if not e.numel():
+        return 0.0
+    if not torch.equal(g.isnan(), e.isnan()):
+        return math.nan
+    differs = (g != e) & ~e.isnan()
+    return (g[differs] - e[differs]).abs().max().item() if differs.any() else 0.0
+
+
+def _diff_text(got: torch.Tensor, expected: torch.Tensor, diff: float) -> str:
+    """The failure's figure: the max diff, and where it is NaN, how many NaNs the plain model does not have."""
+    if not math.isnan(diff):
+        return f"max diff {diff}"
+    g, e = got.detach().float().cpu(), expected.detach().float().cpu()
+    extra, lost = int((g.isnan() & ~e.isnan()).sum()), int((e.isnan() & ~g.isnan()).sum())
+    return (f"max diff nan: {extra} NaN(s) where the plain model has a number"
+            + (f", {lost} number(s) where it has NaN" if lost else "") + f", of {e.numel()} elements")
+
+
 def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: Any, atol: float | None = None,
                               rtol: float | None = None, calls: int = 2, **kwargs: Any) -> EquivalenceReport:
     """Offload a deep copy of ``model`` under ``policy``, run it ``calls`` times, and check that
@@ -296,10 +321,12 @@ def assert_offload_equivalent(model: nn.Module, policy: OffloadPolicy, *args: An
         assert len(got) == len(expected), f"offloaded model returned {len(got)} tensors, plain {len(expected)}"
         for i, (g, e) in enumerate(zip(got, expected)):
             assert g.shape == e.shape and g.dtype == e.dtype, f"output {i}: {g.shape}/{g.dtype} vs {e.shape}/{e.dtype}"
-            if e.is_floating_point():
-                worst = max(worst, (g.float() - e.float()).abs().max().item() if e.numel() else 0.0)
+            diff = _max_abs_diff(g, e) if e.is_floating_point() else 0.0
+            # max() keeps its first argument against a NaN (every comparison with NaN is False): once NaN, the
+            # worst stays NaN
+            worst = worst if math.isnan(worst) else diff if math.isnan(diff) else max(worst, diff)
             if exact:
-                assert torch.equal(g, e), f"output {i} differs from the plain model (max diff {worst})"
+                assert torch.equal(g, e), f"output {i} differs from the plain model ({_diff_text(g, e, diff)})"
             else:
                 torch.testing.assert_close(g, e, atol=atol, rtol=rtol, msg=lambda m: f"output {i}: {m}")
     stats = offload_stats(offloaded)
