@@ -161,19 +161,59 @@ class HostMaster(torch.Tensor):
                 return HostMaster(views, first.device, first.account, root=root)
             if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
                 return func(first.host, **{"device": first.device, **kwargs})
-            if op_schema(func).is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
-                account = first.account() if first.account is not None else None
-                if account is not None:  # a copy still queued may read these bytes
-                    account.wait_before_write()
-                host = first.host
-                rest = tree_map(lambda a: _host_operand(a, host.device), (args[1:], kwargs))
-                func(host, *rest[0], **rest[1])
-                torch.autograd.graph.increment_version(host)
-                if first.root is not None:
-                    torch.autograd.graph.increment_version(first.root.host)
-                return first
+        written = _written_masters(func, args, kwargs)
+        if written:  # p.copy_(t), p.add_(delta), load_state_dict, a foreach lerp_ over the weights (an EMA),
+            return _write_host(func, args, kwargs, written)  # out=masters: the host bytes change, seen as a change
         args, kwargs = tree_map(lambda a: _counted(a) if isinstance(a, HostMaster) else a, (args, kwargs))
         return func(*args, **kwargs)
+
+
+# op -> the positions (index, or name for a keyword-only argument) of the arguments its schema says it writes:
+# ``self`` of an in-place op, ``out=``, each tensor of a foreach op's written list. Read once per op.
+_WRITES: dict[Any, tuple] = {}
+
+
+def _written_positions(func) -> tuple:
+    found = _WRITES.get(func)
+    if found is None:
+        schema = op_schema(func)
+        found = () if schema is None or not schema.is_mutable else tuple(
+            (i, arg.name, arg.kwarg_only) for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write)
+        _WRITES[func] = found
+    return found
+
+
+def _written_masters(func, args: tuple, kwargs: dict) -> list[HostMaster]:
+    """The masters an op writes: those held by an argument its schema marks written (a tensor, or a list of
+    tensors), whatever argument comes first."""
+    masters: list[HostMaster] = []
+    for index, name, kwarg_only in _written_positions(func):
+        value = kwargs.get(name) if kwarg_only or index >= len(args) else args[index]
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, HostMaster):
+                masters.append(item)
+    return masters
+
+
+def _write_host(func, args: tuple, kwargs: dict, written: list[HostMaster]):
+    """Run a write to masters on their host bytes: after the copies still queued that may read them, every
+    master operand as its host bytes (other tensors moved to the host), each written master's version (and its
+    root's: a write through a view is a write to the weight) bumped, which is what the runtime's stamps read.
+    What the op returns of a written master's bytes is the master."""
+    for account in {id(m.account): m.account for m in written if m.account is not None}.values():
+        runtime_account = account()
+        if runtime_account is not None:  # a copy still queued may read these bytes
+            runtime_account.wait_before_write()
+    host_device = written[0].host.device
+    hosts = {id(m.host): m for m in written}
+    rest = tree_map(lambda a: _host_operand(a, host_device), (args, kwargs))
+    out = func(*rest[0], **rest[1])
+    for master in written:
+        torch.autograd.graph.increment_version(master.host)
+        if master.root is not None:
+            torch.autograd.graph.increment_version(master.root.host)
+    return tree_map(lambda a: hosts.get(id(a), a) if isinstance(a, torch.Tensor) else a, out)
 
 
 _INNER_NAMES = ["host"]  # one list for every master: dynamo's guard on it is recognized by identity (`keep_guards`)

@@ -230,6 +230,41 @@ def test_a_memory_format_change_is_refused_and_one_that_changes_nothing_is_a_no_
     _still_streams_unchanged(m, model, x, snapshot, traffic)
 
 
+_FOREACH = {  # each: (the weights, other tensors of their shapes) -> the write; timm's EMA is _foreach_lerp_
+    "mul_": lambda ws, qs: torch._foreach_mul_(ws, 2.0),
+    "add_": lambda ws, qs: torch._foreach_add_(ws, qs),
+    "lerp_": lambda ws, qs: torch._foreach_lerp_(ws, qs, 0.5),
+    "copy_": lambda ws, qs: torch._foreach_copy_(ws, qs),
+    "zero_": lambda ws, qs: torch._foreach_zero_(ws),
+    "out=": lambda ws, qs: [torch.mul(q, 3.0, out=w) for w, q in zip(ws, qs)],
+}
+
+
+@pytest.mark.parametrize("policy", [dict(strategy="none"), dict(prefetch=1, prefetch_next_call=True)],
+                         ids=["resident", "carried"])
+@pytest.mark.parametrize("op", sorted(_FOREACH))
+def test_an_op_that_writes_a_list_of_weights_or_out_writes_their_host_bytes(op, policy, device):
+    """An op whose schema writes an argument holding masters writes their host bytes, whichever argument comes
+    first: a foreach op's first argument is a list (an on-demand device copy took the write, never the host,
+    and a resident or carried copy stayed stale), ``out=`` its last. The next call fetches the changed group
+    again, and only it."""
+    model, m, x = _offloaded(device, **policy)
+    _run(m, x), _run(m, x)
+    others = [torch.rand_like(p) for p in model.blocks[1].parameters()]
+    with torch.no_grad():
+        _FOREACH[op](list(model.blocks[1].parameters()), [q.clone() for q in others])
+        _FOREACH[op](list(m.blocks[1].parameters()), [q.to(device) for q in others])
+    assert all(isinstance(p, HostMaster) for p in m.blocks[1].parameters())
+    assert torch.equal(m.state_dict()["blocks.1.up.weight"], model.blocks[1].up.weight)
+    reset_offload_stats(m)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    stats = offload_stats(m)
+    assert stats.on_demand_bytes == 0
+    if policy.get("strategy") == "none":  # the stale resident copy, and only it, was fetched again
+        changed = next(g for g in offload_groups(m) if g.name == "blocks.1")
+        assert (stats.fetch_count, stats.bytes_transferred) == (1, changed.nbytes)
+
+
 def test_a_frame_run_without_a_graph_reads_weights_on_demand_counted(device):
     """A forward calling a function that dynamo must not compile, which reads a weight directly: that frame
     runs without a graph; its read computes on a device copy of the weight (on ``cpu``: on the host bytes in
