@@ -49,12 +49,20 @@ class OnDemand:
         self.ops = 0
         self.weights: set[tuple[int, int]] = set()
         self.before_write: Callable[[], Callable[[], None] | None] | None = None  # a weak method
+        # the runtime's `OffloadRuntime.hand_out` (a weak method): told of each plain alias of a weight's host bytes
+        # handed out (``state_dict``, ``.cpu()`` where the device is the host, ``numpy``)
+        self.hand_out: Callable[[], Callable[..., None] | None] | None = None
         self._lock = threading.Lock()
 
     def wait_before_write(self) -> None:
         wait = self.before_write() if self.before_write is not None else None
         if wait is not None:
             wait()
+
+    def handed_out(self, master: "HostMaster", alias: torch.Tensor, tracked: bool) -> None:
+        hand_out = self.hand_out() if self.hand_out is not None else None
+        if hand_out is not None:
+            hand_out(master, alias, tracked)
 
     def add(self, host: torch.Tensor) -> None:
         with self._lock:
@@ -262,8 +270,28 @@ def _on_host(func, args: tuple, kwargs: dict):
     master = args[0]
     if func in (torch.Tensor.cpu, torch.Tensor.to):
         out = torch.Tensor.__torch_function__(func, (), args, kwargs)
-        return master.host if out is master else out
-    return func(master.host, *args[1:], **kwargs)
+        if out is not master:
+            return out
+        return _handed_out(master, master.host, tracked=True)
+    if func is torch.Tensor.numpy:  # an array over the host bytes (it keeps no tensor alive: the array is what
+        # is watched), whose writes bump no version counter
+        return _handed_out(master, master.host.numpy(*args[1:], **kwargs), tracked=False)
+    return func(master.host, *args[1:], **kwargs)  # tolist: a copy
+
+
+def _handed_out(master: HostMaster, alias: Any, tracked: bool) -> Any:
+    """``alias`` (a plain tensor or a numpy array over ``master``'s host bytes) given to the user, who may write it: the runtime
+    is told (`OnDemand.handed_out`), and waits for its queued copies now and while the alias lives, and reads
+    its version (``tracked``; else treats the weight as changed at each call) in the stamps that decide whether
+    a device copy is stale. The weight's own host view needs none of that: a write through it bumps the version
+    the stamps read already. Not while a trace runs (fake tensors: nothing to write)."""
+    root = master.root if master.root is not None else master
+    if alias is root.host or torch.compiler.is_compiling():
+        return alias
+    account = root.account() if root.account is not None else None
+    if account is not None:
+        account.handed_out(root, alias, tracked)
+    return alias
 
 
 def _fakifiable(host: torch.Tensor) -> torch.Tensor:
@@ -363,10 +391,12 @@ def point_at(tensor: torch.Tensor, host: torch.Tensor) -> None:
 
 def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """``state_dict`` of a module holding masters: each master as its host view (a plain tensor, as before
-    offloading; safetensors and torch.save take it)."""
+    offloading; safetensors and torch.save take it). Plain PyTorch's state_dict tensors alias the weights, so
+    ``m.state_dict()[k].mul_(2)`` edits the model: a write through one is seen as a write to the weight
+    (`_handed_out`), never racing a copy that reads the bytes."""
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, HostMaster):
-            state_dict[key] = value.host
+            state_dict[key] = _handed_out(value, value.host, tracked=True)
 
 
 def watch_state_dict(module: nn.Module, handles: dict[int, Any]) -> None:

@@ -265,6 +265,65 @@ def test_an_op_that_writes_a_list_of_weights_or_out_writes_their_host_bytes(op, 
         assert (stats.fetch_count, stats.bytes_transferred) == (1, changed.nbytes)
 
 
+_ALIASES = {  # a plain tensor (or array) over a weight's host bytes the library handed out, and a write through it
+    "state_dict": (lambda m: m.state_dict()["blocks.1.up.weight"], lambda a: a.mul_(2)),
+    "part's state_dict": (lambda m: m.blocks[1].state_dict()["up.weight"], lambda a: a.mul_(2)),
+    "numpy": (lambda m: m.blocks[1].up.weight.detach().numpy(), lambda a: a.__imul__(2)),
+}
+
+
+@pytest.mark.parametrize("policy", [dict(strategy="none"), dict(prefetch=1, prefetch_next_call=True)],
+                         ids=["resident", "carried"])
+@pytest.mark.parametrize("held", [False, True], ids=["written at once", "written after a call"])
+@pytest.mark.parametrize("alias", sorted(_ALIASES))
+def test_a_write_through_a_state_dict_tensor_or_numpy_array_is_seen_by_the_next_call(alias, held, policy, device):
+    """Plain PyTorch's ``m.state_dict()[k].mul_(2)`` edits the model, and so does a write into
+    ``p.detach().numpy()`` on the CPU: here they write the host bytes, no master sees them, and a resident or
+    carried device copy stayed stale (on the simulator, the write raced a queued copy: "changed the source").
+    The runtime watches what it hands out: the next call fetches the changed group again. An alias kept across a
+    call and written after it is seen too, and the call ended after its copies (no race)."""
+    if alias == "numpy" and device != "cpu":
+        pytest.skip("numpy() of a tensor on an accelerator is refused, as plain PyTorch refuses it")
+    model, m, x = _offloaded(device, **policy)
+    _run(m, x), _run(m, x)
+    take, write = _ALIASES[alias]
+    with torch.no_grad():
+        handed = take(m)
+        if held:
+            torch.testing.assert_close(_run(m, x), _plain(model, x))
+        write(handed)
+        model.blocks[1].up.weight.mul_(2)
+    if not held:
+        del handed  # gone before the next call: its write is seen all the same
+    assert torch.equal(m.blocks[1].up.weight.cpu(), model.blocks[1].up.weight)
+    reset_offload_stats(m)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    stats = offload_stats(m)
+    assert stats.on_demand_bytes == 0
+    if policy.get("strategy") == "none":  # the stale resident copy, and only it, was fetched again
+        changed = next(g for g in offload_groups(m) if g.name == "blocks.1")
+        assert (stats.fetch_count, stats.bytes_transferred) == (1, changed.nbytes)
+    if held:
+        del handed
+    reset_offload_stats(m)  # once the alias is gone, nothing is fetched again (but the one fetch for a numpy
+    torch.testing.assert_close(_run(m, x), _plain(model, x))  # array just gone: its writes are never seen)
+    if policy.get("strategy") == "none":
+        assert offload_stats(m).fetch_count == (1 if alias == "numpy" and held else 0)
+
+
+def test_a_state_dict_read_and_dropped_fetches_nothing_again(device):
+    """Saving (a state_dict read, never written) leaves every device copy valid."""
+    model, m, x = _offloaded(device, strategy="none")
+    _run(m, x)
+    state = m.state_dict()
+    assert torch.equal(state["blocks.1.up.weight"], model.blocks[1].up.weight)
+    reset_offload_stats(m)
+    _run(m, x)
+    del state
+    _run(m, x)
+    assert offload_stats(m).fetch_count == 0
+
+
 def test_a_frame_run_without_a_graph_reads_weights_on_demand_counted(device):
     """A forward calling a function that dynamo must not compile, which reads a weight directly: that frame
     runs without a graph; its read computes on a device copy of the weight (on ``cpu``: on the host bytes in
