@@ -96,6 +96,8 @@ class HostMaster(torch.Tensor):
     # the weight this master is a view of (``w[0]``, ``w.detach()``, ``w.data``), None for the weight itself:
     # a write through a view is a write to the weight, which the runtime sees in the weight's version only
     root: "HostMaster | None"
+    # the parameter or buffer object this master took the place of, retired (`_retire`), and its attributes
+    original: "tuple[torch.Tensor, dict] | None" = None
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False,
@@ -346,10 +348,13 @@ def host_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def with_host_masters(model: nn.Module, specs: list, device: torch.device, account) -> list:
     """Replace each plain weight of ``specs`` in ``model`` by a host master over its bytes (one master per
-    tensor: tied weights stay tied), and return the specs naming the masters. The masters are new objects, as
-    FSDP2's sharded parameters are: code that kept a reference to a parameter from before offloading holds a
-    tensor the model no longer uses."""
+    tensor: tied weights stay tied), and return the specs naming the masters. The masters are new objects (a
+    wrapper subclass cannot take over a tensor object), so each original becomes a `RetiredWeight` (`_retire`):
+    code that kept a reference from before offloading (an optimizer, an EMA copy, ``w = m.lm_head.weight``)
+    fails naming the fix at its first use, instead of silently computing with, or writing, bytes the model no
+    longer reads; `release_masters` gives the originals back."""
     masters: dict[int, torch.Tensor] = {}
+    originals: list[tuple[torch.Tensor, HostMaster, str]] = []
     for spec in specs:
         for w in spec.weights:
             tensor = w.tensor
@@ -359,16 +364,83 @@ def with_host_masters(model: nn.Module, specs: list, device: torch.device, accou
                     master = nn.Parameter(master, requires_grad=tensor.requires_grad)
                     master.root = None  # a parameter is made as a view of its data: it is the weight itself
                 masters[id(tensor)] = master
+                originals.append((tensor, master, f"get_{'buffer' if w.is_buffer else 'parameter'}({w.name!r})"))
     replace_tensors(model, masters)
-    return [dataclasses.replace(spec, weights=tuple(dataclasses.replace(w, tensor=masters.get(id(w.tensor), w.tensor))
-                                                    for w in spec.weights)) for spec in specs]
+    specs = [dataclasses.replace(spec, weights=tuple(dataclasses.replace(w, tensor=masters.get(id(w.tensor), w.tensor))
+                                                     for w in spec.weights)) for spec in specs]
+    for tensor, master, name in originals:
+        _retire(tensor, master, name)
+    return specs
+
+
+class RetiredWeight(torch.Tensor):
+    """What a parameter or buffer object becomes while its weight is offloaded (`_retire`): it holds no bytes,
+    and any use of it is refused, naming the weight and the fix."""
+
+    weight_name: str  # how the model gives the weight: ``get_parameter('blocks.0.weight')`` (``name`` is a tensor's
+    #   dimension-names field)
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                                   device=like.device)
+
+    def __init__(self, like: torch.Tensor, name: str):
+        self.weight_name = name
+
+    def __repr__(self) -> str:
+        return f"RetiredWeight({self.weight_name}: offloaded, see offload_compiler.host_masters.RetiredWeight)"
+
+    def __hash__(self) -> int:  # a set or dict holding the reference (an optimizer's state) still works
+        return id(self)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        names = [a.weight_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, RetiredWeight)]
+        name = names[0] if names else "get_parameter(<name>)"
+        raise OffloadRefusal(
+            f"this tensor was the weight model.{name} before the model was offloaded; offloading gave the model a "
+            f"new tensor for it (its bytes now live in a packed host buffer), and this one holds no data: using it "
+            f"would compute with, or write, values the model no longer reads. Take references after offloading: "
+            f"model.{name} (or its attribute, as m.lm_head.weight), an optimizer or EMA made again from "
+            f"model.parameters() or model.state_dict(); remove_offload(model) makes this very object the model's "
+            f"weight again, with the current values")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls.__torch_function__(func, types, args, kwargs)
+
+
+def _retire(original: torch.Tensor, master: HostMaster, name: str) -> None:
+    """Make ``original`` (a parameter or buffer object the model no longer holds) a `RetiredWeight`, in place:
+    the same Python object, so a reference taken before offloading fails loudly; ``master.original`` keeps it
+    (with its attributes) for `release_masters`. ``torch.utils.swap_tensors`` refuses an object that something
+    holds a weak reference to (dynamo, for a model compiled before offloading) or whose tensor is used
+    elsewhere: that reference then keeps its bytes as they were (README, "The module stays the module")."""
+    attrs = dict(original.__dict__)
+    try:
+        torch.utils.swap_tensors(original, RetiredWeight(original, name))
+    except RuntimeError:
+        return
+    # (the other object, now holding the old bytes and attributes, is dropped here)
+    master.original = (original, attrs)
 
 
 def release_masters(model: nn.Module, owns: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """The undo of `with_host_masters`: each master (by id, with its own copy of the host bytes) becomes a plain
-    parameter or buffer over that copy again."""
-    plain = {i: nn.Parameter(own, requires_grad=master.requires_grad) if isinstance(master, nn.Parameter) else own
-             for i, (master, own) in owns.items()}
+    parameter or buffer over that copy again -- the very object the model held before offloading where it was
+    retired (its identity, class and attributes back, holding the current values)."""
+    plain = {}
+    for i, (master, own) in owns.items():
+        value = nn.Parameter(own, requires_grad=master.requires_grad) if isinstance(master, nn.Parameter) else own
+        kept = master.__dict__.pop("original", None)
+        if kept is not None:
+            original, attrs = kept
+            torch.utils.swap_tensors(original, value if value is not own else own.detach())
+            original.__dict__.clear()
+            original.__dict__.update(attrs)
+            value = original
+        plain[i] = value
     replace_tensors(model, plain)
 
 

@@ -367,6 +367,59 @@ def test_remove_offload_gives_plain_weights_back_bit_for_bit(device):
     torch.testing.assert_close(_plain(plain, x), _plain(model, x))
 
 
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.register_buffer("scale", torch.full((8,), 1.5))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x * self.scale
+
+
+def test_a_reference_taken_before_offloading_fails_naming_the_fix_and_remove_offload_gives_it_back(device):
+    """Offloading puts a new tensor (a host master) in the model's place of each parameter and buffer; a reference
+    kept from before (an optimizer, an EMA copy, ``w = m.lm_head.weight``) silently computed with, and wrote,
+    bytes the model no longer read. Now any use of it is refused, naming the weight and the fix, and
+    `remove_offload` makes those very objects the model's weights again, holding the values changed meanwhile."""
+    torch.manual_seed(0)
+    m, x = _Scaled().eval().requires_grad_(False), torch.randn(2, 8)
+    plain = copy.deepcopy(m)
+    weight, scale = m.blocks[1][0].weight, m.scale
+    weight.note = "kept"  # an attribute of the object (transformers sets some) comes back with it
+    ids = {name: id(t) for name, t in [*m.named_parameters(), *m.named_buffers()]}
+    offload_compile(m, _policy(device, strategy="none"))
+    assert m.blocks[1][0].weight is not weight and isinstance(m.blocks[1][0].weight, HostMaster)
+    _run(m, x)
+    with torch.no_grad():
+        with pytest.raises(OffloadRefusal, match=r"model\.get_parameter\('blocks\.1\.0\.weight'\).*after "
+                                                 r"offloading.*remove_offload"):
+            weight.mul_(2)
+        with pytest.raises(OffloadRefusal, match=r"get_buffer\('scale'\)"):
+            scale + 1
+        with pytest.raises(OffloadRefusal, match="after offloading"):
+            torch._foreach_mul_([weight], 2.0)
+        with pytest.raises(OffloadRefusal, match="after offloading"):
+            torch.optim.SGD([weight], lr=0.1).step()
+        m.blocks[1][0].weight.mul_(2), plain.blocks[1][0].weight.mul_(2)  # through the model's own: seen
+        m.scale.add_(1), plain.scale.add_(1)
+    torch.testing.assert_close(_run(m, x), _plain(plain, x))
+    remove_offload(m)
+    assert m.blocks[1][0].weight is weight and m.scale is scale
+    assert {name: id(t) for name, t in [*m.named_parameters(), *m.named_buffers()]} == ids
+    assert type(weight) is nn.Parameter and type(scale) is torch.Tensor and weight.note == "kept"
+    assert torch.equal(weight, plain.blocks[1][0].weight) and torch.equal(scale, plain.scale)
+    torch.testing.assert_close(_plain(m, x), _plain(plain, x))
+    offload_compile(m, _policy(device, strategy="none"))  # offloaded again: retired again, given back again
+    torch.testing.assert_close(_run(m, x), _plain(plain, x))
+    with pytest.raises(OffloadRefusal, match="after offloading"):
+        weight.sum()
+    remove_offload(m)
+    assert m.blocks[1][0].weight is weight and torch.equal(weight, plain.blocks[1][0].weight)
+
+
 def test_views_and_copies_of_a_master_move_no_bytes_to_the_device(device):
     _, m, _ = _offloaded(device)
     w = m.blocks[0].up.weight
