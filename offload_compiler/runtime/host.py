@@ -294,6 +294,8 @@ class HostStore:
         flat buffer. A group read from a checkpoint's own extents moves to its region of the disk tier's file at
         the first change of any of its weights (the checkpoint is never written; a fill reads the file)."""
         if group.on_disk and any(b.file is not None and b.file.read_only for b in group.buckets):
+            if group.aliases:  # a write through a state_dict tensor lands in the private mapping, which no fill
+                _note_alias_writes(group)  # reads: seen as a write to its weight
             if any(leaf.value.data_ptr() != leaf.host_ptr or (leaf.value._version,) != leaf.host_version
                    for leaf in group.leaves):
                 self.wait_for_copies()
