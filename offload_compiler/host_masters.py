@@ -436,10 +436,14 @@ def release_masters(model: nn.Module, owns: dict[int, tuple[torch.Tensor, torch.
         kept = master.__dict__.pop("original", None)
         if kept is not None:
             original, attrs = kept
-            torch.utils.swap_tensors(original, value if value is not own else own.detach())
-            original.__dict__.clear()
-            original.__dict__.update(attrs)
-            value = original
+            try:
+                torch.utils.swap_tensors(original, value if value is not own else own.detach())
+            except RuntimeError:  # something took a weak reference to the retired object: the model gets a new
+                pass  # one, as where `_retire` could not swap (the retired object keeps refusing every use)
+            else:
+                original.__dict__.clear()
+                original.__dict__.update(attrs)
+                value = original
         plain[i] = value
     replace_tensors(model, plain)
 
