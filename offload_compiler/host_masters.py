@@ -49,12 +49,20 @@ class OnDemand:
         self.ops = 0
         self.weights: set[tuple[int, int]] = set()
         self.before_write: Callable[[], Callable[[], None] | None] | None = None  # a weak method
+        # the runtime's `OffloadRuntime.hand_out` (a weak method): told of each plain alias of a weight's host bytes
+        # handed out (``state_dict``, ``.cpu()`` where the device is the host, ``numpy``)
+        self.hand_out: Callable[[], Callable[..., None] | None] | None = None
         self._lock = threading.Lock()
 
     def wait_before_write(self) -> None:
         wait = self.before_write() if self.before_write is not None else None
         if wait is not None:
             wait()
+
+    def handed_out(self, master: "HostMaster", alias: torch.Tensor, tracked: bool) -> None:
+        hand_out = self.hand_out() if self.hand_out is not None else None
+        if hand_out is not None:
+            hand_out(master, alias, tracked)
 
     def add(self, host: torch.Tensor) -> None:
         with self._lock:
@@ -88,6 +96,8 @@ class HostMaster(torch.Tensor):
     # the weight this master is a view of (``w[0]``, ``w.detach()``, ``w.data``), None for the weight itself:
     # a write through a view is a write to the weight, which the runtime sees in the weight's version only
     root: "HostMaster | None"
+    # the parameter or buffer object this master took the place of, retired (`_retire`), and its attributes
+    original: "tuple[torch.Tensor, dict] | None" = None
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, device: torch.device, account=None, requires_grad: bool = False,
@@ -161,19 +171,59 @@ class HostMaster(torch.Tensor):
                 return HostMaster(views, first.device, first.account, root=root)
             if func is aten._to_copy.default:  # .to(), .cpu(), .float(): a copy of the host bytes
                 return func(first.host, **{"device": first.device, **kwargs})
-            if op_schema(func).is_mutable:  # load_state_dict, p.copy_(t), p.add_(delta): the host bytes change
-                account = first.account() if first.account is not None else None
-                if account is not None:  # a copy still queued may read these bytes
-                    account.wait_before_write()
-                host = first.host
-                rest = tree_map(lambda a: _host_operand(a, host.device), (args[1:], kwargs))
-                func(host, *rest[0], **rest[1])
-                torch.autograd.graph.increment_version(host)
-                if first.root is not None:
-                    torch.autograd.graph.increment_version(first.root.host)
-                return first
+        written = _written_masters(func, args, kwargs)
+        if written:  # p.copy_(t), p.add_(delta), load_state_dict, a foreach lerp_ over the weights (an EMA),
+            return _write_host(func, args, kwargs, written)  # out=masters: the host bytes change, seen as a change
         args, kwargs = tree_map(lambda a: _counted(a) if isinstance(a, HostMaster) else a, (args, kwargs))
         return func(*args, **kwargs)
+
+
+# op -> the positions (index, or name for a keyword-only argument) of the arguments its schema says it writes:
+# ``self`` of an in-place op, ``out=``, each tensor of a foreach op's written list. Read once per op.
+_WRITES: dict[Any, tuple] = {}
+
+
+def _written_positions(func) -> tuple:
+    found = _WRITES.get(func)
+    if found is None:
+        schema = op_schema(func)
+        found = () if schema is None or not schema.is_mutable else tuple(
+            (i, arg.name, arg.kwarg_only) for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write)
+        _WRITES[func] = found
+    return found
+
+
+def _written_masters(func, args: tuple, kwargs: dict) -> list[HostMaster]:
+    """The masters an op writes: those held by an argument its schema marks written (a tensor, or a list of
+    tensors), whatever argument comes first."""
+    masters: list[HostMaster] = []
+    for index, name, kwarg_only in _written_positions(func):
+        value = kwargs.get(name) if kwarg_only or index >= len(args) else args[index]
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, HostMaster):
+                masters.append(item)
+    return masters
+
+
+def _write_host(func, args: tuple, kwargs: dict, written: list[HostMaster]):
+    """Run a write to masters on their host bytes: after the copies still queued that may read them, every
+    master operand as its host bytes (other tensors moved to the host), each written master's version (and its
+    root's: a write through a view is a write to the weight) bumped, which is what the runtime's stamps read.
+    What the op returns of a written master's bytes is the master."""
+    for account in {id(m.account): m.account for m in written if m.account is not None}.values():
+        runtime_account = account()
+        if runtime_account is not None:  # a copy still queued may read these bytes
+            runtime_account.wait_before_write()
+    host_device = written[0].host.device
+    hosts = {id(m.host): m for m in written}
+    rest = tree_map(lambda a: _host_operand(a, host_device), (args, kwargs))
+    out = func(*rest[0], **rest[1])
+    for master in written:
+        torch.autograd.graph.increment_version(master.host)
+        if master.root is not None:
+            torch.autograd.graph.increment_version(master.root.host)
+    return tree_map(lambda a: hosts.get(id(a), a) if isinstance(a, torch.Tensor) else a, out)
 
 
 _INNER_NAMES = ["host"]  # one list for every master: dynamo's guard on it is recognized by identity (`keep_guards`)
@@ -222,8 +272,28 @@ def _on_host(func, args: tuple, kwargs: dict):
     master = args[0]
     if func in (torch.Tensor.cpu, torch.Tensor.to):
         out = torch.Tensor.__torch_function__(func, (), args, kwargs)
-        return master.host if out is master else out
-    return func(master.host, *args[1:], **kwargs)
+        if out is not master:
+            return out
+        return _handed_out(master, master.host, tracked=True)
+    if func is torch.Tensor.numpy:  # an array over the host bytes (it keeps no tensor alive: the array is what
+        # is watched), whose writes bump no version counter
+        return _handed_out(master, master.host.numpy(*args[1:], **kwargs), tracked=False)
+    return func(master.host, *args[1:], **kwargs)  # tolist: a copy
+
+
+def _handed_out(master: HostMaster, alias: Any, tracked: bool) -> Any:
+    """``alias`` (a plain tensor or a numpy array over ``master``'s host bytes) given to the user, who may write it: the runtime
+    is told (`OnDemand.handed_out`), and waits for its queued copies now and while the alias lives, and reads
+    its version (``tracked``; else treats the weight as changed at each call) in the stamps that decide whether
+    a device copy is stale. The weight's own host view needs none of that: a write through it bumps the version
+    the stamps read already. Not while a trace runs (fake tensors: nothing to write)."""
+    root = master.root if master.root is not None else master
+    if alias is root.host or torch.compiler.is_compiling():
+        return alias
+    account = root.account() if root.account is not None else None
+    if account is not None:
+        account.handed_out(root, alias, tracked)
+    return alias
 
 
 def _fakifiable(host: torch.Tensor) -> torch.Tensor:
@@ -278,10 +348,13 @@ def host_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def with_host_masters(model: nn.Module, specs: list, device: torch.device, account) -> list:
     """Replace each plain weight of ``specs`` in ``model`` by a host master over its bytes (one master per
-    tensor: tied weights stay tied), and return the specs naming the masters. The masters are new objects, as
-    FSDP2's sharded parameters are: code that kept a reference to a parameter from before offloading holds a
-    tensor the model no longer uses."""
+    tensor: tied weights stay tied), and return the specs naming the masters. The masters are new objects (a
+    wrapper subclass cannot take over a tensor object), so each original becomes a `RetiredWeight` (`_retire`):
+    code that kept a reference from before offloading (an optimizer, an EMA copy, ``w = m.lm_head.weight``)
+    fails naming the fix at its first use, instead of silently computing with, or writing, bytes the model no
+    longer reads; `release_masters` gives the originals back."""
     masters: dict[int, torch.Tensor] = {}
+    originals: list[tuple[torch.Tensor, HostMaster, str]] = []
     for spec in specs:
         for w in spec.weights:
             tensor = w.tensor
@@ -291,16 +364,87 @@ def with_host_masters(model: nn.Module, specs: list, device: torch.device, accou
                     master = nn.Parameter(master, requires_grad=tensor.requires_grad)
                     master.root = None  # a parameter is made as a view of its data: it is the weight itself
                 masters[id(tensor)] = master
+                originals.append((tensor, master, f"get_{'buffer' if w.is_buffer else 'parameter'}({w.name!r})"))
     replace_tensors(model, masters)
-    return [dataclasses.replace(spec, weights=tuple(dataclasses.replace(w, tensor=masters.get(id(w.tensor), w.tensor))
-                                                    for w in spec.weights)) for spec in specs]
+    specs = [dataclasses.replace(spec, weights=tuple(dataclasses.replace(w, tensor=masters.get(id(w.tensor), w.tensor))
+                                                     for w in spec.weights)) for spec in specs]
+    for tensor, master, name in originals:
+        _retire(tensor, master, name)
+    return specs
+
+
+class RetiredWeight(torch.Tensor):
+    """What a parameter or buffer object becomes while its weight is offloaded (`_retire`): it holds no bytes,
+    and any use of it is refused, naming the weight and the fix."""
+
+    weight_name: str  # how the model gives the weight: ``get_parameter('blocks.0.weight')`` (``name`` is a tensor's
+    #   dimension-names field)
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                                   device=like.device)
+
+    def __init__(self, like: torch.Tensor, name: str):
+        self.weight_name = name
+
+    def __repr__(self) -> str:
+        return f"RetiredWeight({self.weight_name}: offloaded, see offload_compiler.host_masters.RetiredWeight)"
+
+    def __hash__(self) -> int:  # a set or dict holding the reference (an optimizer's state) still works
+        return id(self)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        names = [a.weight_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, RetiredWeight)]
+        name = names[0] if names else "get_parameter(<name>)"
+        raise OffloadRefusal(
+            f"this tensor was the weight model.{name} before the model was offloaded; offloading gave the model a "
+            f"new tensor for it (its bytes now live in a packed host buffer), and this one holds no data: using it "
+            f"would compute with, or write, values the model no longer reads. Take references after offloading: "
+            f"model.{name} (or its attribute, as m.lm_head.weight), an optimizer or EMA made again from "
+            f"model.parameters() or model.state_dict(); remove_offload(model) makes this very object the model's "
+            f"weight again, with the current values")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls.__torch_function__(func, types, args, kwargs)
+
+
+def _retire(original: torch.Tensor, master: HostMaster, name: str) -> None:
+    """Make ``original`` (a parameter or buffer object the model no longer holds) a `RetiredWeight`, in place:
+    the same Python object, so a reference taken before offloading fails loudly; ``master.original`` keeps it
+    (with its attributes) for `release_masters`. ``torch.utils.swap_tensors`` refuses an object that something
+    holds a weak reference to (dynamo, for a model compiled before offloading) or whose tensor is used
+    elsewhere: that reference then keeps its bytes as they were (README, "The module stays the module")."""
+    attrs = dict(original.__dict__)
+    try:
+        torch.utils.swap_tensors(original, RetiredWeight(original, name))
+    except RuntimeError:
+        return
+    # (the other object, now holding the old bytes and attributes, is dropped here)
+    master.original = (original, attrs)
 
 
 def release_masters(model: nn.Module, owns: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """The undo of `with_host_masters`: each master (by id, with its own copy of the host bytes) becomes a plain
-    parameter or buffer over that copy again."""
-    plain = {i: nn.Parameter(own, requires_grad=master.requires_grad) if isinstance(master, nn.Parameter) else own
-             for i, (master, own) in owns.items()}
+    parameter or buffer over that copy again -- the very object the model held before offloading where it was
+    retired (its identity, class and attributes back, holding the current values)."""
+    plain = {}
+    for i, (master, own) in owns.items():
+        value = nn.Parameter(own, requires_grad=master.requires_grad) if isinstance(master, nn.Parameter) else own
+        kept = master.__dict__.pop("original", None)
+        if kept is not None:
+            original, attrs = kept
+            try:
+                torch.utils.swap_tensors(original, value if value is not own else own.detach())
+            except RuntimeError:  # something took a weak reference to the retired object: the model gets a new
+                pass  # one, as where `_retire` could not swap (the retired object keeps refusing every use)
+            else:
+                original.__dict__.clear()
+                original.__dict__.update(attrs)
+                value = original
+        plain[i] = value
     replace_tensors(model, plain)
 
 
@@ -323,10 +467,12 @@ def point_at(tensor: torch.Tensor, host: torch.Tensor) -> None:
 
 def state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """``state_dict`` of a module holding masters: each master as its host view (a plain tensor, as before
-    offloading; safetensors and torch.save take it)."""
+    offloading; safetensors and torch.save take it). Plain PyTorch's state_dict tensors alias the weights, so
+    ``m.state_dict()[k].mul_(2)`` edits the model: a write through one is seen as a write to the weight
+    (`_handed_out`), never racing a copy that reads the bytes."""
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, HostMaster):
-            state_dict[key] = value.host
+            state_dict[key] = _handed_out(value, value.host, tracked=True)
 
 
 def watch_state_dict(module: nn.Module, handles: dict[int, Any]) -> None:

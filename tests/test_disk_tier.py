@@ -407,15 +407,18 @@ def test_groups_on_disk_are_read_from_the_checkpoints_own_file(tmp_path, monkeyp
     assert offload_stats(m).disk_bytes_read == 4 * BLOCK
 
 
-@pytest.mark.parametrize("how", ["add_", "data"])
+@pytest.mark.parametrize("how", ["add_", "data", "state_dict"])
 def test_a_weight_read_from_the_checkpoint_changed_moves_its_group_to_a_file_and_never_writes_the_checkpoint(
         tmp_path, how):
+    """Also through a state_dict tensor (plain PyTorch's edits the model): its write lands in the checkpoint's
+    private mapping, which no fill reads, so the runtime sees it (`HostStore.watch`) and moves the group."""
     reference = _model(6)
     model, path, folder = _checkpoint(tmp_path, reference)
     saved = path.read_bytes()
     m = offload_compile(model, _policy(folder), checkpoint=path)
     group = next(g for g in _runtime(m).groups if g.on_disk)
     x = torch.randn(2, 8)
+    held = []
     with torch.no_grad():
         m(x)
         delta = torch.randn(64, 64)
@@ -423,6 +426,9 @@ def test_a_weight_read_from_the_checkpoint_changed_moves_its_group_to_a_file_and
             weight = target.get_submodule(group.name).weight
             if how == "add_":
                 weight.add_(delta)
+            elif how == "state_dict":  # kept (``held``) until the calls below have read the change
+                held.append(target.state_dict())
+                held[-1][group.name + ".weight"].add_(delta)
             else:
                 weight.data = weight.data + delta
         assert torch.equal(m(x), reference(x))

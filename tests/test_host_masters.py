@@ -230,6 +230,100 @@ def test_a_memory_format_change_is_refused_and_one_that_changes_nothing_is_a_no_
     _still_streams_unchanged(m, model, x, snapshot, traffic)
 
 
+_FOREACH = {  # each: (the weights, other tensors of their shapes) -> the write; timm's EMA is _foreach_lerp_
+    "mul_": lambda ws, qs: torch._foreach_mul_(ws, 2.0),
+    "add_": lambda ws, qs: torch._foreach_add_(ws, qs),
+    "lerp_": lambda ws, qs: torch._foreach_lerp_(ws, qs, 0.5),
+    "copy_": lambda ws, qs: torch._foreach_copy_(ws, qs),
+    "zero_": lambda ws, qs: torch._foreach_zero_(ws),
+    "out=": lambda ws, qs: [torch.mul(q, 3.0, out=w) for w, q in zip(ws, qs)],
+}
+
+
+@pytest.mark.parametrize("policy", [dict(strategy="none"), dict(prefetch=1, prefetch_next_call=True)],
+                         ids=["resident", "carried"])
+@pytest.mark.parametrize("op", sorted(_FOREACH))
+def test_an_op_that_writes_a_list_of_weights_or_out_writes_their_host_bytes(op, policy, device):
+    """An op whose schema writes an argument holding masters writes their host bytes, whichever argument comes
+    first: a foreach op's first argument is a list (an on-demand device copy took the write, never the host,
+    and a resident or carried copy stayed stale), ``out=`` its last. The next call fetches the changed group
+    again, and only it."""
+    model, m, x = _offloaded(device, **policy)
+    _run(m, x), _run(m, x)
+    others = [torch.rand_like(p) for p in model.blocks[1].parameters()]
+    with torch.no_grad():
+        _FOREACH[op](list(model.blocks[1].parameters()), [q.clone() for q in others])
+        _FOREACH[op](list(m.blocks[1].parameters()), [q.to(device) for q in others])
+    assert all(isinstance(p, HostMaster) for p in m.blocks[1].parameters())
+    assert torch.equal(m.state_dict()["blocks.1.up.weight"], model.blocks[1].up.weight)
+    reset_offload_stats(m)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    stats = offload_stats(m)
+    assert stats.on_demand_bytes == 0
+    if policy.get("strategy") == "none":  # the stale resident copy, and only it, was fetched again
+        changed = next(g for g in offload_groups(m) if g.name == "blocks.1")
+        assert (stats.fetch_count, stats.bytes_transferred) == (1, changed.nbytes)
+
+
+_ALIASES = {  # a plain tensor (or array) over a weight's host bytes the library handed out, and a write through it
+    "state_dict": (lambda m: m.state_dict()["blocks.1.up.weight"], lambda a: a.mul_(2)),
+    "part's state_dict": (lambda m: m.blocks[1].state_dict()["up.weight"], lambda a: a.mul_(2)),
+    "numpy": (lambda m: m.blocks[1].up.weight.detach().numpy(), lambda a: a.__imul__(2)),
+}
+
+
+@pytest.mark.parametrize("policy", [dict(strategy="none"), dict(prefetch=1, prefetch_next_call=True)],
+                         ids=["resident", "carried"])
+@pytest.mark.parametrize("held", [False, True], ids=["written at once", "written after a call"])
+@pytest.mark.parametrize("alias", sorted(_ALIASES))
+def test_a_write_through_a_state_dict_tensor_or_numpy_array_is_seen_by_the_next_call(alias, held, policy, device):
+    """Plain PyTorch's ``m.state_dict()[k].mul_(2)`` edits the model, and so does a write into
+    ``p.detach().numpy()`` on the CPU: here they write the host bytes, no master sees them, and a resident or
+    carried device copy stayed stale (on the simulator, the write raced a queued copy: "changed the source").
+    The runtime watches what it hands out: the next call fetches the changed group again. An alias kept across a
+    call and written after it is seen too, and the call ended after its copies (no race)."""
+    if alias == "numpy" and device != "cpu":
+        pytest.skip("numpy() of a tensor on an accelerator is refused, as plain PyTorch refuses it")
+    model, m, x = _offloaded(device, **policy)
+    _run(m, x), _run(m, x)
+    take, write = _ALIASES[alias]
+    with torch.no_grad():
+        handed = take(m)
+        if held:
+            torch.testing.assert_close(_run(m, x), _plain(model, x))
+        write(handed)
+        model.blocks[1].up.weight.mul_(2)
+    if not held:
+        del handed  # gone before the next call: its write is seen all the same
+    assert torch.equal(m.blocks[1].up.weight.cpu(), model.blocks[1].up.weight)
+    reset_offload_stats(m)
+    torch.testing.assert_close(_run(m, x), _plain(model, x))
+    stats = offload_stats(m)
+    assert stats.on_demand_bytes == 0
+    if policy.get("strategy") == "none":  # the stale resident copy, and only it, was fetched again
+        changed = next(g for g in offload_groups(m) if g.name == "blocks.1")
+        assert (stats.fetch_count, stats.bytes_transferred) == (1, changed.nbytes)
+    if held:
+        del handed
+    reset_offload_stats(m)  # once the alias is gone, nothing is fetched again (but the one fetch for a numpy
+    torch.testing.assert_close(_run(m, x), _plain(model, x))  # array just gone: its writes are never seen)
+    if policy.get("strategy") == "none":
+        assert offload_stats(m).fetch_count == (1 if alias == "numpy" and held else 0)
+
+
+def test_a_state_dict_read_and_dropped_fetches_nothing_again(device):
+    """Saving (a state_dict read, never written) leaves every device copy valid."""
+    model, m, x = _offloaded(device, strategy="none")
+    _run(m, x)
+    state = m.state_dict()
+    assert torch.equal(state["blocks.1.up.weight"], model.blocks[1].up.weight)
+    reset_offload_stats(m)
+    _run(m, x)
+    del state
+    _run(m, x)
+    assert offload_stats(m).fetch_count == 0
+
+
 def test_a_frame_run_without_a_graph_reads_weights_on_demand_counted(device):
     """A forward calling a function that dynamo must not compile, which reads a weight directly: that frame
     runs without a graph; its read computes on a device copy of the weight (on ``cpu``: on the host bytes in
@@ -271,6 +365,59 @@ def test_remove_offload_gives_plain_weights_back_bit_for_bit(device):
     for name, p in model.named_parameters():
         assert torch.equal(params[name], p)
     torch.testing.assert_close(_plain(plain, x), _plain(model, x))
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.register_buffer("scale", torch.full((8,), 1.5))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x * self.scale
+
+
+def test_a_reference_taken_before_offloading_fails_naming_the_fix_and_remove_offload_gives_it_back(device):
+    """Offloading puts a new tensor (a host master) in the model's place of each parameter and buffer; a reference
+    kept from before (an optimizer, an EMA copy, ``w = m.lm_head.weight``) silently computed with, and wrote,
+    bytes the model no longer read. Now any use of it is refused, naming the weight and the fix, and
+    `remove_offload` makes those very objects the model's weights again, holding the values changed meanwhile."""
+    torch.manual_seed(0)
+    m, x = _Scaled().eval().requires_grad_(False), torch.randn(2, 8)
+    plain = copy.deepcopy(m)
+    weight, scale = m.blocks[1][0].weight, m.scale
+    weight.note = "kept"  # an attribute of the object (transformers sets some) comes back with it
+    ids = {name: id(t) for name, t in [*m.named_parameters(), *m.named_buffers()]}
+    offload_compile(m, _policy(device, strategy="none"))
+    assert m.blocks[1][0].weight is not weight and isinstance(m.blocks[1][0].weight, HostMaster)
+    _run(m, x)
+    with torch.no_grad():
+        with pytest.raises(OffloadRefusal, match=r"model\.get_parameter\('blocks\.1\.0\.weight'\).*after "
+                                                 r"offloading.*remove_offload"):
+            weight.mul_(2)
+        with pytest.raises(OffloadRefusal, match=r"get_buffer\('scale'\)"):
+            scale + 1
+        with pytest.raises(OffloadRefusal, match="after offloading"):
+            torch._foreach_mul_([weight], 2.0)
+        with pytest.raises(OffloadRefusal, match="after offloading"):
+            torch.optim.SGD([weight], lr=0.1).step()
+        m.blocks[1][0].weight.mul_(2), plain.blocks[1][0].weight.mul_(2)  # through the model's own: seen
+        m.scale.add_(1), plain.scale.add_(1)
+    torch.testing.assert_close(_run(m, x), _plain(plain, x))
+    remove_offload(m)
+    assert m.blocks[1][0].weight is weight and m.scale is scale
+    assert {name: id(t) for name, t in [*m.named_parameters(), *m.named_buffers()]} == ids
+    assert type(weight) is nn.Parameter and type(scale) is torch.Tensor and weight.note == "kept"
+    assert torch.equal(weight, plain.blocks[1][0].weight) and torch.equal(scale, plain.scale)
+    torch.testing.assert_close(_plain(m, x), _plain(plain, x))
+    offload_compile(m, _policy(device, strategy="none"))  # offloaded again: retired again, given back again
+    torch.testing.assert_close(_run(m, x), _plain(plain, x))
+    with pytest.raises(OffloadRefusal, match="after offloading"):
+        weight.sum()
+    remove_offload(m)
+    assert m.blocks[1][0].weight is weight and torch.equal(weight, plain.blocks[1][0].weight)
 
 
 def test_views_and_copies_of_a_master_move_no_bytes_to_the_device(device):

@@ -106,6 +106,7 @@ class OffloadRuntime:
         self.unmanaged_ids, self.unmanaged_bytes = (set(), 0) if model is None else _unmanaged(model, specs)
         self.on_demand = on_demand or OnDemand()
         self.on_demand.before_write = weakref.WeakMethod(self.wait_for_copies)
+        self.on_demand.hand_out = weakref.WeakMethod(self.hand_out)
         self._state_dict_hooks: dict[int, tuple] = {}  # module id -> (module ref, handle)
         if model is not None:
             for module in model.modules():
@@ -199,6 +200,14 @@ class OffloadRuntime:
 
     def end_call(self) -> None:
         self.transfers.group_remap = None
+        if self.host.watched:  # a plain alias of host bytes lives (`HostStore.watch`): a write through it, which
+            self.wait_for_copies()  # nothing intercepts, must not race this call's copies (carried ones too)
+
+    def hand_out(self, master, alias, tracked: bool) -> None:
+        """A plain alias of a weight's host bytes is given to the user (`host_masters._handed_out`): the copies
+        queued now may read them, so the host waits for them first; then the host store watches it."""
+        self.wait_for_copies()
+        self.host.watch(master, alias, tracked)
 
     def begin_graph(self, carry_keys: frozenset[int]) -> None:
         """See `TransferEngine.begin_graph`."""

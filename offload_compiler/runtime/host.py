@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import operator
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -152,9 +153,30 @@ def _own_copy(packed: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 def stamp(group: Group) -> tuple:
     """Changes whenever a host weight of the group is modified in place or replaced; for a weight that shares its
-    storage (`Bucket.owner`), also when another weight over that storage is written (`Leaf.family`)."""
+    storage (`Bucket.owner`), also when another weight over that storage is written (`Leaf.family`). A write
+    through a plain alias of the host bytes handed out (`HostStore.watch`) shows as a write to its weight."""
+    if group.aliases:
+        _note_alias_writes(group)
     own = tuple((leaf.value._version, leaf.value.data_ptr()) for leaf in group.leaves)
     return (own, tuple(leaf.family_version() for leaf in group.owners)) if group.owners else own
+
+
+def _note_alias_writes(group: Group) -> None:
+    for entry in tuple(group.aliases.values()):
+        _note_alias_write(entry)
+
+
+def _note_alias_write(entry: list) -> None:
+    """An alias's write since it was last looked at (one whose writes bump no version, a numpy array: assumed)
+    becomes a version bump of its weight, which is what the stamps read."""
+    tracker, seen, master_ref = entry
+    if tracker is not None and tracker._version == seen:
+        return
+    weight = master_ref()
+    if weight is not None:
+        torch.autograd.graph.increment_version(weight.host)
+    if tracker is not None:
+        entry[1] = tracker._version
 
 
 _host = operator.attrgetter("host")
@@ -200,6 +222,35 @@ class HostStore:
         self.rebuild_specs = {(g.index, si): s.rebuild for g in self.groups for si, s in enumerate(g.slots)
                               if s.rebuild is not None}
 
+        # the groups with an alias in `Group.aliases`: while any, each call ends waiting for its copies
+        self.watched: set[int] = set()
+        self._alias_refs: dict[int, weakref.ref] = {}  # a weak reference's callback runs only while it lives
+
+    def watch(self, master: HostMaster, alias, tracked: bool) -> None:
+        """``alias``, a plain tensor over ``master``'s host bytes, was handed out: the user may write it (plain
+        PyTorch's ``m.state_dict()[k].mul_(2)`` edits the model) and no write through it reaches a master. A
+        write through it (its version counter, read by the group's `stamp` while it lives and once when it goes;
+        a numpy array, whose writes bump none: assumed at each stamp and when it goes) bumps its weight's version,
+        so a device copy made before the write is stale: one check per call and group while an alias lives,
+        none otherwise. The caller waited for the queued copies; the runtime waits at the end of each call while
+        an alias lives (`OffloadRuntime.end_call`): a write through it never races a copy."""
+        place = self.group_of.get(id(master))
+        if place is None or id(alias) in self.groups[place[0]].aliases:
+            return
+        group, key, watched, refs = self.groups[place[0]], id(alias), self.watched, self._alias_refs
+        tracker = alias.detach() if tracked else None  # shares the alias's version counter, outlives it
+        entry = [tracker, None if tracker is None else tracker._version, weakref.ref(master)]
+
+        def gone(_ref) -> None:
+            refs.pop(key, None)
+            group.aliases.pop(key, None)
+            if not group.aliases:
+                watched.discard(group.index)
+            _note_alias_write(entry)
+        group.aliases[key] = entry
+        watched.add(group.index)
+        refs[key] = weakref.ref(alias, gone)
+
     @property
     def total_bytes(self) -> int:
         return sum(g.nbytes for g in self.groups)
@@ -243,6 +294,8 @@ class HostStore:
         flat buffer. A group read from a checkpoint's own extents moves to its region of the disk tier's file at
         the first change of any of its weights (the checkpoint is never written; a fill reads the file)."""
         if group.on_disk and any(b.file is not None and b.file.read_only for b in group.buckets):
+            if group.aliases:  # a write through a state_dict tensor lands in the private mapping, which no fill
+                _note_alias_writes(group)  # reads: seen as a write to its weight
             if any(leaf.value.data_ptr() != leaf.host_ptr or (leaf.value._version,) != leaf.host_version
                    for leaf in group.leaves):
                 self.wait_for_copies()

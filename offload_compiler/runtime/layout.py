@@ -103,6 +103,9 @@ class Group:
     # (host masters, their ``host_ptr``s) where every leaf is a master's own bytes (`HostStore.refresh`); ():
     # not such a group; None: not known yet (packing and a repack set it to None: a ``host_ptr`` changed)
     pointers: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    # plain aliases of its weights' host bytes handed out and alive (`HostStore.watch`): id -> [a tensor sharing
+    # the alias's version counter (None where writes bump none: a numpy array), its version last seen, the weight]
+    aliases: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @functools.cached_property
     def nbytes(self) -> int:  # the buckets' sizes are fixed by layout_group
