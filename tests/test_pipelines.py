@@ -109,6 +109,23 @@ def test_auto_plans_each_denoiser_at_its_first_call_within_the_budget():
         g.nbytes for g in groups.values() if g.name.startswith("text_encoder")) * 2
 
 
+def test_auto_too_small_for_a_pipeline_names_the_pipelines_budget_that_works():
+    """A denoiser's share too small: the error names the budget the pipeline needs (kept + the encoders' window +
+    the denoiser's smallest plan), which is above what was given, and that budget plans."""
+    from offload_compiler import InfeasibleBudgetError
+    pipe, kwargs, expected = _plain("flux")
+    given = _bytes(pipe.vae) + 40_000  # the VAE and a little: the transformer's share is too small
+    offload_compile(pipe, OffloadPolicy(strategy="auto", device_budget_gb=given / 2**30, **CPU))
+    with pytest.raises(InfeasibleBudgetError, match="too small for FluxPipeline: its transformer's smallest plan") as error:
+        _run(pipe, kwargs)
+    advised = float(re.search(r"Set device_budget_gb >= ([0-9.e-]+)", str(error.value)).group(1))
+    assert error.value.needed_bytes > given and advised * 2**30 >= error.value.needed_bytes
+    assert str(error.value).count("device_budget_gb >=") == 1  # one figure to set: the pipeline's
+    pipe, kwargs, expected = _plain("flux")
+    offload_compile(pipe, OffloadPolicy(strategy="auto", device_budget_gb=advised, **CPU))
+    assert torch.equal(_run(pipe, kwargs), expected)
+
+
 @pytest.mark.slow  # the VAE's decode and encode each captured
 def test_vae_decode_and_encode_of_an_offloaded_vae_run_its_offloaded_graphs():
     model, inputs = vae_roundtrip()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from ..planning.auto import plan_offload, resolve_budget
 from ..planning.planner import GIB, InfeasibleBudgetError
 from .pipeline import within
@@ -30,19 +33,43 @@ def plan_component(state: OffloadState, path: str, args: tuple, kwargs: dict) ->
     (`component_budget`), then rebuild the runtime with the planned groups (`OffloadState.component_planned`)."""
     module = state.modules.get_submodule(path)
     share = component_budget(state)
-    policy = within(state.policy, path).replace(device_budget_gb=share / GIB)
+    policy = within(state.policy, path).replace(device_budget_gb=share.bytes / GIB)
     try:
         with state.tracing_through():
             plan = plan_offload(module, policy, *args, **kwargs)
     except InfeasibleBudgetError as error:
-        error.add_note(f"(the budget above is {path}'s share of {state.name}'s device_budget_gb: what the "
-                       f"components kept on the device and the other streamed components' window leave)")
-        raise
+        raise share.too_small(path, error) from error
     plan.as_component(path, state.name, state.policy)  # its budget printed as path's share of the user's
     state.component_planned(path, plan)
 
 
-def component_budget(state: OffloadState) -> int:
+@dataclasses.dataclass(frozen=True)
+class ComponentShare:
+    """A denoiser's share of a pipeline's ``device_budget_gb`` and what the rest of the budget holds."""
+    name: str  # the pipeline's
+    source: str  # the budget as the user gave it (``device_budget_gb=...``)
+    budget: int  # the whole budget, bytes
+    kept: int  # the components kept on the device
+    window: int  # the other streamed components' streaming window
+    denoisers: int
+    bytes: int  # this denoiser's share
+
+    def too_small(self, path: str, error: InfeasibleBudgetError) -> InfeasibleBudgetError:
+        """The planner's refusal of the share, said of the pipeline's budget: the figure to set is the
+        pipeline's, not the share (which is below what the user gave)."""
+        needed = self.kept + self.window + self.denoisers * error.needed_bytes
+        return InfeasibleBudgetError(
+            f"{self.source} ({self.budget} B) is too small for {self.name}: its {path}'s smallest plan needs "
+            f"{error.needed_bytes} B on the device (activations and the weights live at its peak), beside "
+            f"{self.kept} B kept on the device (the VAE and other components kept) and {self.window} B of the other "
+            f"streamed components' window"
+            f"{f', for each of its {self.denoisers} denoisers' if self.denoisers > 1 else ''}: {needed} B in all. "
+            f"Set device_budget_gb >= {math.ceil(needed / GIB * 1e6) / 1e6}, or shrink what is live (blocks_per_group=1, "
+            f"a smaller image or a shorter prompt)",
+            needed, self.budget)
+
+
+def component_budget(state: OffloadState) -> ComponentShare:
     """A denoiser's share of ``device_budget_gb``: what the components kept on the device (the VAE unless
     ``components=`` names it) and the streaming window of the other streamed components (encoders, a named VAE)
     leave, split between the denoisers."""
@@ -58,4 +85,4 @@ def component_budget(state: OffloadState) -> int:
             f"{source} leaves nothing for {state.name}'s denoisers: {kept} B stay on the device (the VAE and other "
             f"components) and the other streamed components stream {window} B at a time; raise device_budget_gb",
             needed_bytes=kept + window + 1, budget_bytes=budget)
-    return share
+    return ComponentShare(state.name, source, budget, kept, window, max(len(denoisers), 1), share)
