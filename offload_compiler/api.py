@@ -62,8 +62,12 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
     if not isinstance(model, nn.Module):
         offload_pipeline(model, policy, filled)
         return model
-    offload_module(model, policy, filled)
-    _check_saving(model, policy)
+    state = offload_module(model, policy, filled)
+    try:
+        _check_saving(model, policy)
+    except BaseException:  # a warning made an error (``-W error``): refused, and nothing changed
+        state.detach()
+        raise
     return model
 
 

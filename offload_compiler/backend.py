@@ -26,7 +26,7 @@ from .passes.schedule import Schedule, build_schedule
 from .passes.slots import pool_bytes, slot_events
 from .passes.verify import Verified, verify
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy
-from .host_masters import OnDemand, replace_tensors, with_host_masters
+from .host_masters import HostMaster, OnDemand, host_of, release_masters, replace_tensors, with_host_masters
 from .runtime import OffloadRuntime
 from .storage import FilledBuckets
 
@@ -52,13 +52,19 @@ _MOVED: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, str, str], tuple[n
     weakref.WeakKeyDictionary()
 
 
-def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, move: bool) -> None:
+def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, move: bool
+                         ) -> tuple[list[tuple], dict[int, torch.Tensor]]:
     """Weights in no group (outside the components; buffers with ``offload_buffers=False``) are not managed:
-    they live on the compute device. Where each was is kept for `restore_unmanaged`."""
+    they live on the compute device. Where each was is kept for `restore_unmanaged`. Returned, for undoing this
+    call where building its runtime fails: the keys of the weights it moved (a runtime built again keeps the
+    earlier ones' record), and the objects it replaced by new ones (a device ``.data =`` cannot move to), by
+    the new one's id."""
     device = policy.torch_device
     managed = {id(w.tensor) for spec in specs for w in spec.weights}
     moved: dict[int, torch.Tensor] = {}
     before = _MOVED.setdefault(model, {})
+    added: list[tuple] = []
+    originals: dict[int, torch.Tensor] = {}
     for path, module in model.named_modules():
         for table in ("_parameters", "_buffers"):
             for name, tensor in getattr(module, table).items():
@@ -68,10 +74,16 @@ def _unmanaged_to_device(model: nn.Module, specs: list, policy: OffloadPolicy, m
                     raise ValueError(f"{path + '.' if path else ''}{name} is outside the offloaded groups, so it must "
                                      f"live on {device}, but it is on {tensor.device}: move the model to {device} "
                                      f"before torch.compile, or use offload_compile")
-                before.setdefault((id(module), table, name), (module, tensor.device))
+                key = (id(module), table, name)
+                if key not in before:
+                    before[key] = (module, tensor.device)
+                    added.append(key)
                 if id(tensor) not in moved:
                     moved[id(tensor)] = _moved_to(tensor, device)
+                    if moved[id(tensor)] is not None:
+                        originals[id(moved[id(tensor)])] = tensor
     replace_tensors(model, {i: t for i, t in moved.items() if t is not None})
+    return added, originals
 
 
 def _moved_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -87,11 +99,18 @@ def _moved_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None
             else on_device
 
 
-def restore_unmanaged(model: nn.Module) -> None:
+def restore_unmanaged(model: nn.Module, keys: list[tuple] | None = None) -> None:
     """The undo of `_unmanaged_to_device` (at `remove_offload`): every weight it moved to the compute device goes
-    back to the device it was on, with the values it has now."""
+    back to the device it was on, with the values it has now; ``keys``: only those (what one call moved)."""
     moved: dict[int, torch.Tensor] = {}
-    for (_, table, name), (module, device) in _MOVED.pop(model, {}).items():
+    if keys is None:
+        record = _MOVED.pop(model, {})
+    else:
+        kept = _MOVED.get(model, {})
+        record = {key: kept.pop(key) for key in keys if key in kept}
+        if not kept:
+            _MOVED.pop(model, None)
+    for (_, table, name), (module, device) in record.items():
         tensor = getattr(module, table).get(name)
         if tensor is not None and tensor.device != device and id(tensor) not in moved:
             moved[id(tensor)] = _moved_to(tensor, device)
@@ -106,12 +125,26 @@ def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True
     was read into, taken as they are), the others moved to the device. ``name`` (in messages and plans)
     defaults to the model's class name."""
     specs = plan_groups(model, policy) if specs is None else specs
-    _unmanaged_to_device(model, specs, policy, move=pack_now)
+    moved, originals = _unmanaged_to_device(model, specs, policy, move=pack_now)
     on_demand = OnDemand()
-    if pack_now:  # see host_masters: no read outside an offloaded graph goes unseen, by construction
-        specs = with_host_masters(model, specs, policy.torch_device, weakref.ref(on_demand))
-    return OffloadRuntime(policy, specs, name or type(model).__name__, pack_now, model=model, on_demand=on_demand,
-                          filled=filled)
+    planned = specs
+    try:
+        if pack_now:  # see host_masters: no read outside an offloaded graph goes unseen, by construction
+            specs = with_host_masters(model, specs, policy.torch_device, weakref.ref(on_demand))
+        return OffloadRuntime(policy, specs, name or type(model).__name__, pack_now, model=model,
+                              on_demand=on_demand, filled=filled)
+    except BaseException:
+        # one transaction (README, "Reliability"): a failure while building (the disk tier's file cannot be
+        # sized, pinning or packing fails) leaves the model as it was. The runtime unpacked what it packed
+        # (`OffloadRuntime.__init__`); the masters of a runtime that never got that far are released here
+        if specs is not planned:
+            held = {id(t) for module in model.modules() for t in (*module._parameters.values(),
+                                                                  *module._buffers.values())}
+            release_masters(model, {id(w.tensor): (w.tensor, host_of(w.tensor)) for spec in specs
+                                    for w in spec.weights if isinstance(w.tensor, HostMaster) and id(w.tensor) in held})
+        replace_tensors(model, originals)  # the very objects, their values untouched: nothing ran
+        restore_unmanaged(model, moved)  # the others moved by ``.data``, moved back alike
+        raise
 
 
 def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRuntime

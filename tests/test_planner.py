@@ -347,3 +347,23 @@ def test_the_auto_plan_shows_a_small_groups_bytes_not_zero_mib():
     assert " 64 B  " in row and "0.000 MiB" not in row
     (row,) = [line for line in text.splitlines() if "model.layers.0" in line]
     assert "1.000 MiB" in row
+
+
+def test_auto_keeps_no_second_host_copy_of_the_weights_after_planning():
+    """The capture ``auto`` plans from holds the model's parameters as its example inputs: nothing of it may
+    outlive the plan (dynamo keeps the capture's backend for the life of the process), or every original
+    parameter object, with its bytes, stays alive beside the packed host buffers (a second host copy)."""
+    import gc
+    import weakref
+    model, x = build_block_model(ModelSpec(16, (BlockSpec("mlp", 16), BlockSpec("attention", 2),
+                                                BlockSpec("mlp", 8)), True, True, 4, 2), 7)
+    # weak references (no strong one): the model alone holds the originals, so they go once it no longer does
+    originals = [weakref.ref(p) for p in model.parameters()]
+    m = offload_compile(model, OffloadPolicy(strategy="auto", device="cpu", device_budget_gb=1.0))
+    with torch.no_grad():
+        expected = m(x)
+    gc.collect()
+    alive = [ref() for ref in originals if ref() is not None]
+    assert not alive, f"{len(alive)} original parameters outlive planning: {[tuple(p.shape) for p in alive[:4]]}"
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)

@@ -479,3 +479,56 @@ def test_auto_plans_beside_many_offloaded_models_of_the_same_class():
     assert torch.equal(m(x), expected)
     stats = offload_stats(m)
     assert 0 < stats.streamed_bytes and stats.bytes_transferred >= stats.streamed_bytes  # the tight budget streams
+
+
+# -- offloading is one transaction ----------------------------------------------------------------------
+
+def _fail_at_call(monkeypatch, module, name, at):
+    """``module.name`` raises an OSError at its ``at``-th call (after the earlier ones did their work)."""
+    real, calls = getattr(module, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise OSError(28, "injected: no space left on the disk tier")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, failing)
+    return calls
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("tier", ["disk", "memory"])
+def test_a_failure_while_building_the_runtime_leaves_the_model_as_it_was(device, tier, tmp_path, monkeypatch):
+    """The last step of building a runtime (packing, the disk tier's file) fails partway: every weight is the very
+    object it was, on its device, with its values; the model runs plainly and offloads again."""
+    from offload_compiler.runtime import host
+    from offload_compiler.testing import simulated_device
+    dev = simulated_device() if device == "sim" else "cpu"
+    model, x, expected, snapshot = _model()
+    cls = type(model)
+    weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    devices = {name: t.device for name, t in weights.items()}
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the buffers stay on the device (unmanaged): moved there first, they must come back
+    policy = OffloadPolicy(strategy="layerwise", device=dev, compiler="eager", offload_buffers=False,
+                           **(dict(host_budget_gb=total * 0.3 / 2**30, disk_dir=str(tmp_path)) if tier == "disk" else {}))
+    # disk: the second bucket written to the tier's file fails; memory: the last group packed
+    calls = (_fail_at_call(monkeypatch, host, "_write_bucket", 2) if tier == "disk"
+             else _fail_at_call(monkeypatch, host, "pack_group", 4))
+    with pytest.raises(OSError, match="injected"):
+        offload_compile(model, policy)
+    assert calls, "the failure was not reached"
+    monkeypatch.undo()
+    assert not isinstance(model, OffloadedModule) and type(model) is cls
+    now = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert list(now) == list(weights)
+    for name, tensor in now.items():
+        assert tensor is weights[name], f"{name} is another object"
+        assert type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device == devices[name], name
+    _assert_whole(model, snapshot, x, expected)
+    offload_compile(model, policy)  # not refused as offloaded already
+    with torch.no_grad():
+        torch.testing.assert_close(model(x.to(dev)).cpu(), expected)
+    assert offload_stats(model).bytes_transferred > 0
+    remove_offload(model)
+    _assert_whole(model, snapshot, x, expected)

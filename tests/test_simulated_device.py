@@ -1191,3 +1191,26 @@ def test_offloading_a_vae_and_its_pipeline_in_either_order_is_refused_naming_the
     offload_compile(remove_offload(pipe), policy.replace(components=SD3_WITH_VAE))  # the fix named
     torch.testing.assert_close(_sd3_images(pipe, kwargs).cpu(), expected, rtol=0, atol=1e-5)
     assert assert_traffic_matches_plan(pipe).unmanaged_bytes == 0
+
+
+@simulator_only
+def test_auto_planning_allocates_on_the_device_within_the_budget():
+    """Calibration's probes (a matmul, an add, a copy, the offloaded probe model) fit in a share of the device
+    budget: on a device with only the budget free, planning must not run out of memory first."""
+    from offload_compiler.planning import calibrate
+    model, x = _model()
+    budget = 200_000
+    m = offload_compile(copy.deepcopy(model).eval(), _policy(strategy="auto", device_budget_gb=budget / 2**30))
+    saved = dict(calibrate._RATES), dict(calibrate._BOUNDS)
+    calibrate._RATES.clear()  # calibrate in this test, not from an earlier test's cache
+    try:
+        sim.synchronize()
+        base = sim.memory_allocated()
+        sim.reset_peak_memory_stats()
+        m.plan(x.to(DEVICE))
+        assert sim.max_memory_allocated() - base <= budget
+    finally:
+        for cache, kept in zip((calibrate._RATES, calibrate._BOUNDS), saved):
+            cache.clear()
+            cache.update(kept)
+    torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))

@@ -3,7 +3,8 @@ classes swapped and its forwards installed."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -109,9 +110,22 @@ def offload_module(model: nn.Module, policy: OffloadPolicy, filled: FilledBucket
     refuse_components_of_a_model(model, policy)  # ``auto`` groups at its first call: refused now, before anything
     runtime = None if policy.strategy == "auto" else build_runtime(model, policy, filled=filled)
     state = OffloadState(model, policy, runtime)
-    attach(state, [model])
-    install_forwards(model, state)
+    with _undone_on_failure(state):
+        attach(state, [model])
+        install_forwards(model, state)
     return state
+
+
+@contextlib.contextmanager
+def _undone_on_failure(state: OffloadState) -> Iterator[None]:
+    """Offloading is one transaction (README, "Reliability"): a failure between the runtime's building and the
+    state's being complete (attaching, installing the forwards) is undone by `OffloadState.detach`, which gives
+    back what was changed so far, so the model runs as before and a retry is not refused as offloaded already."""
+    try:
+        yield
+    except BaseException:
+        state.detach()
+        raise
 
 
 BLOCK_STRATEGIES = ("layerwise", "budget", "auto")
@@ -132,6 +146,7 @@ def offload_pipeline(pipeline: Any, policy: OffloadPolicy, filled: FilledBuckets
     else:
         runtime = build_runtime(modules, policy, name=name, filled=filled)
     state = OffloadState(pipeline, policy, runtime, modules=modules, unplanned=unplanned)
-    attach(state, list(modules.children()))
-    install_forwards(modules, state)
+    with _undone_on_failure(state):
+        attach(state, list(modules.children()))
+        install_forwards(modules, state)
     return state

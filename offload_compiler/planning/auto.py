@@ -16,7 +16,7 @@ from torch import nn
 from ..backend import build_runtime
 from .capture import capture_graph
 from .calibrate import device_rates
-from .costmodel import DeviceRates, build_table
+from .costmodel import DeviceRates, build_table, calibration_bytes
 from ..grouping import GroupSpec, plan_groups
 from .planner import GIB, CostTable, InfeasibleBudgetError, Solution, solve
 from ..policy import OffloadPolicy
@@ -226,7 +226,8 @@ def plan_offload(model: nn.Module, policy: OffloadPolicy, *args: Any, **kwargs: 
         # the forward the model runs: a forward set on the instance is the model's (an offloaded model is planned
         # while its installed forwards trace through to it)
         gm, example_inputs = capture_graph(model.forward, args, kwargs, type(model).__name__)
-        rates = device_rates(policy.torch_device, policy.compiler)
+        # calibration's probes fit in a share of the budget: the device may have no more free than that
+        rates = device_rates(policy.torch_device, policy.compiler, calibration_bytes(policy.torch_device, budget))
     n_blocks = sum(1 for g in plan_groups(model, policy.replace(blocks_per_group=1)) if g.is_block)
     best: tuple[CostTable, Solution] | None = None
     candidates: dict[int, float | None] = {}

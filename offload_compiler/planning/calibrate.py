@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from typing import Any, Callable, Iterator
@@ -36,12 +37,14 @@ from .capture import capture_graph
 from .costmodel import DeviceRates, build_table, charged_nodes, measure_rates
 
 _RATES: dict[tuple, DeviceRates] = {}
+_BOUNDS: dict[tuple, int | None] = {}  # per key: the device bytes its probes were bounded by
 
 PROBE_WIDTH = 32
 PROBE_SEQ = 8
 PROBE_CALLS = 21
 PROBE_SECONDS = 1.5  # fewer rounds (at least 5) where calls are slow: a loaded machine, a slow device
 PROBE_BLOCKS = 4
+PROBE_COPIES = 3  # the probe's weights on the device at once, at most (`probe_width`)
 
 
 class _ProbeBlock(nn.Module):
@@ -104,10 +107,22 @@ def interleaved_times(fns: list[Callable[[], Any]], sync: Callable[[], None]) ->
     return times
 
 
-def _probe(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+def probe_width(max_bytes: int | None) -> int:
+    """The probe's width where calibration may hold at most ``max_bytes`` of device memory (None: no bound):
+    its weights are on the device up to three times at once (the plain graph's copy, the resident runtime's,
+    the streamed one's slots: ``PROBE_COPIES`` times its ``32 * PROBE_BLOCKS * width**2`` bytes), so it shrinks with
+    the bound -- the overheads it measures are host costs per op, call and fetch, not the work -- to an even
+    number (two heads) of at least 8."""
+    if max_bytes is None:
+        return PROBE_WIDTH
+    fits = math.isqrt(max(max_bytes // (PROBE_COPIES * 32 * PROBE_BLOCKS), 1))  # 8 w² floats a block
+    return max(8, min(PROBE_WIDTH, fits - fits % 2))
+
+
+def _probe(device: torch.device, width: int = PROBE_WIDTH) -> tuple[nn.Module, torch.Tensor]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return _Probe().eval(), torch.randn(1, PROBE_SEQ, PROBE_WIDTH, device=device)
+        return _Probe(width).eval(), torch.randn(1, PROBE_SEQ, width, device=device)
 
 
 def _graph_runner(gm, example_inputs: list, compiler: str) -> Callable:
@@ -117,12 +132,13 @@ def _graph_runner(gm, example_inputs: list, compiler: str) -> Callable:
 
 
 @contextlib.contextmanager
-def _offloaded_probes(policies: list[OffloadPolicy], device: torch.device) -> Iterator[list[Callable[[], Any]]]:
+def _offloaded_probes(policies: list[OffloadPolicy], device: torch.device, width: int = PROBE_WIDTH
+                      ) -> Iterator[list[Callable[[], Any]]]:
     """A call of the probe offloaded under each policy (no_grad), removed afterwards."""
-    x = _probe(device)[1]
+    x = _probe(device, width)[1]
     runs = []
     for policy in policies:  # the engine's own path: runtime, backend, graph runner and transfer ops
-        model = _probe(device)[0]
+        model = _probe(device, width)[0]
         runtime = build_runtime(model, policy)
         runs.append((runtime, torch.compile(type(model).forward.__get__(model), backend=RuntimeBackend(runtime))))
     try:
@@ -132,9 +148,9 @@ def _offloaded_probes(policies: list[OffloadPolicy], device: torch.device) -> It
             runtime.unpack()
 
 
-def _probe_graph(device: torch.device, rates: Any) -> tuple:
+def _probe_graph(device: torch.device, rates: Any, width: int = PROBE_WIDTH) -> tuple:
     """The probe's captured graph, its example inputs, its groups, and ``rates`` with no overheads."""
-    model, x = _probe(device)
+    model, x = _probe(device, width)
     gm, example_inputs = capture_graph(model.forward, (x.cpu(),), {}, "the calibration probe")
     specs = plan_groups(model, OffloadPolicy(strategy="layerwise", device="cpu"))
     free = dataclasses.replace(rates, op_overhead_s=0.0, call_overhead_s=0.0, fetch_overhead_s=0.0, compute_scale=1.0)
@@ -145,10 +161,10 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: synchronize(device)
 
 
-def op_seconds(device: torch.device, compiler: str, rates: Any) -> float:
+def op_seconds(device: torch.device, compiler: str, rates: Any, width: int = PROBE_WIDTH) -> float:
     """Per charged node: the probe's graph run as the compiler runs it (eager: the GraphModule itself;
     inductor: compiled), less its predicted work."""
-    probe = _probe_graph(device, rates)
+    probe = _probe_graph(device, rates, width)
     graph_s = statistics.median(interleaved_times([_graph_call(probe, device, compiler)], _sync(device))[0])
     return _per_op(probe, graph_s)
 
@@ -164,15 +180,15 @@ def _per_op(probe: tuple, graph_s: float) -> float:
     return max(graph_s - build_table(gm, example_inputs, specs, free).compute_s, 0.0) / max(charged_nodes(gm), 1)
 
 
-def measure_overheads(device: torch.device, rates: Any) -> Overheads:
+def measure_overheads(device: torch.device, rates: Any, width: int = PROBE_WIDTH) -> Overheads:
     """Per op, per call and per fetch under the eager compiler, from the probe's graph, the probe offloaded
     with every group resident and with every block streamed, called in turn. ``rates``: the device's
     `DeviceRates` with work rates and bandwidth measured. The call and fetch costs are the entry path and
     the transfer ops, the same under every compiler; `op_seconds` gives another compiler's per-op cost."""
-    probe = _probe_graph(device, rates)
+    probe = _probe_graph(device, rates, width)
     gm, example_inputs, specs, free = probe
     streamed = OffloadPolicy(strategy="layerwise", device=str(device), prefetch=0)
-    with _offloaded_probes([streamed.replace(strategy="budget", offload_gb=0.0), streamed], device) as calls:
+    with _offloaded_probes([streamed.replace(strategy="budget", offload_gb=0.0), streamed], device, width) as calls:
         graph, resident, stream = interleaved_times([_graph_call(probe, device, "eager")] + calls, _sync(device))
     op_s = _per_op(probe, statistics.median(graph))
     table = build_table(gm, example_inputs, specs, dataclasses.replace(free, op_overhead_s=op_s))
@@ -189,19 +205,28 @@ def _rates_key(device: torch.device, compiler: str) -> tuple:
     return str(device), compiler, torch.get_num_threads() if device.type == "cpu" else 0
 
 
-def device_rates(device: torch.device | str, compiler: str = "eager") -> DeviceRates:
+def device_rates(device: torch.device | str, compiler: str = "eager", max_bytes: int | None = None) -> DeviceRates:
     """Measured once per device (work rates, bandwidth; host overheads per op, per call and per fetch from
-    `calibrate.measure_overheads`) and per compiler (its per-op cost), cached for the process."""
+    `calibrate.measure_overheads`) and per compiler (its per-op cost), cached for the process. ``max_bytes``:
+    the most device memory the rates' probes may hold (`costmodel.calibration_bytes`); rates measured under a
+    larger bound (or none) serve a smaller one, never the reverse."""
     device = torch.device(device)
     key = _rates_key(device, compiler)
-    if key not in _RATES:
+    cached = _RATES.get(key)
+    if cached is None or not _covers(_BOUNDS.get(key), max_bytes):
         if compiler != "eager":
-            eager = device_rates(device, "eager")
-            _RATES[key] = dataclasses.replace(eager, op_overhead_s=op_seconds(device, compiler, eager),
-                                              compute_scale=1.0)
+            eager = device_rates(device, "eager", max_bytes)
+            _RATES[key] = dataclasses.replace(
+                eager, op_overhead_s=op_seconds(device, compiler, eager, probe_width(max_bytes)), compute_scale=1.0)
         else:
-            base = measure_rates(device)
-            found = measure_overheads(device, base)
+            base = measure_rates(device, max_bytes)
+            found = measure_overheads(device, base, probe_width(max_bytes))
             _RATES[key] = dataclasses.replace(base, op_overhead_s=found.op_s, call_overhead_s=found.call_s,
                                               fetch_overhead_s=found.fetch_s, call_spread=found.spread)
+        _BOUNDS[key] = max_bytes
     return _RATES[key]
+
+
+def _covers(measured: int | None, wanted: int | None) -> bool:
+    """Rates measured with probes bounded by ``measured`` bytes (None: full size) serve a plan bounded by ``wanted``."""
+    return measured is None or (wanted is not None and measured >= wanted)

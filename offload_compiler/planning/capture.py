@@ -63,6 +63,7 @@ def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the
     except _Captured:
         pass
     except Exception as exc:
+        captured.clear()  # as below: nothing of a failed capture outlives it
         raised = model_raised(exc)
         if raised is not None:  # not a tracing limit: the model's own check refused these inputs
             line = user_frame(exc)
@@ -77,4 +78,9 @@ def capture_graph(forward: Callable, args: tuple, kwargs: dict, name: str = "the
         raise
     if not captured:
         raise RuntimeError(f"dynamo captured no graph from {name}; strategy='auto' cannot plan it")
-    return captured[0]
+    # dynamo keeps the backend (``recorder``, and so ``captured``) alive for the life of the process (its
+    # compile wrappers by id): left in the list, the graph and its example inputs -- the model's own parameters,
+    # a second host copy of every weight once the runtime packs them -- would outlive the plan
+    graph = captured[0]
+    captured.clear()
+    return graph

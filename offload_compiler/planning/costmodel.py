@@ -53,17 +53,39 @@ def _best_time(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5)
     return max(best, 1e-9)
 
 
-def measure_rates(device: torch.device) -> DeviceRates:
-    """Micro-benchmarks, well under a second: a matmul, an elementwise add, and host→device copies of 16 MiB
-    (pinned on an accelerator, as the runtime's host masters are). No overheads: see `device_rates`."""
+CALIBRATION_FLOOR_BYTES = 64 << 10  # the least a probe gets: below it, a probe times the launch, not the work
+CALIBRATION_SHARE = 4  # calibration takes at most 1/4 of the device budget (the floor aside)
+
+
+def calibration_bytes(device: torch.device, budget: int | None) -> int | None:
+    """The most device memory `measure_rates` may hold at once for a plan under ``budget`` bytes: a quarter of
+    it, at least `CALIBRATION_FLOOR_BYTES`; None (the full-size probes) without a budget or where the device is
+    the host (``cpu``: its "device memory" is host memory, no allocator runs out of it first)."""
+    if budget is None or device.type == "cpu":
+        return None
+    return max(CALIBRATION_FLOOR_BYTES, budget // CALIBRATION_SHARE)
+
+
+def measure_rates(device: torch.device, max_bytes: int | None = None) -> DeviceRates:
+    """Micro-benchmarks, well under a second: a matmul, an elementwise add, and host→device copies of up to 16
+    MiB (pinned on an accelerator, as the runtime's host masters are). No overheads: see `device_rates`.
+
+    Device memory: each probe is freed before the next, and ``max_bytes`` (`calibration_bytes`: a share of the
+    plan's device budget) bounds what one holds at once -- a 512x512 matmul and 16 MiB tensors would take ~33
+    MiB whatever the budget, more than a device with only the budget free has. Smaller probes still measure a
+    rate (the floor keeps each well above a launch's cost), a pessimistic one where launches dominate."""
     streams = stream_module(device) is not None  # copies overlap compute on a device with streams
     sync = lambda: synchronize(device)  # noqa: E731
-    n = 512
+    cap = max_bytes if max_bytes is not None else 1 << 62
+    n = min(512, math.isqrt(cap // 8))  # the operand and its product
     a = torch.randn(n, n, device=device)
     flops = 2 * n**3 / _best_time(lambda: a @ a, sync)
-    big = torch.randn(1 << 22, device=device)
+    del a
+    elements = min(1 << 22, cap // 8)  # the operand and the sum
+    big = torch.randn(elements, device=device)
     memory = 3 * big.nbytes / _best_time(lambda: big + big, sync)
-    host = torch.empty(1 << 22)
+    del big
+    host = torch.empty(min(1 << 22, cap // 4))  # the copy's destination
     if can_pin(device):
         host = host.pin_memory()
     dest = torch.empty_like(host, device=device)

@@ -98,9 +98,13 @@ class OffloadRuntime:
         weakref.finalize(self, _finalize, [] if self.streams is None else self.streams.copy_streams,
                          self.host.registrations)
         if pack_now:
-            with one_read_of_mappings():
-                for group in self.host.groups:
-                    self.host.pack(group, filled)
+            try:
+                with one_read_of_mappings():
+                    for group in self.host.groups:
+                        self.host.pack(group, filled)
+            except BaseException:  # building a runtime is one transaction: every weight gets its own storage
+                self.host.unpack(model)  # back (the groups packed, and the part of one packed when it failed)
+                raise
         # the model: a weak reference (names in messages) and its weights in no group
         self.model_ref: Callable[[], object] | None = None if model is None else weakref.ref(model)
         self.unmanaged_ids, self.unmanaged_bytes = (set(), 0) if model is None else _unmanaged(model, specs)

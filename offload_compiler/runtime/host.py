@@ -340,14 +340,16 @@ class HostStore:
         copies that read them."""
         masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for group in self.groups:
-            if not group.packed:
-                continue
             for leaf in group.leaves:
-                owned = group.buckets[leaf.bucket].owner is not None  # never packed: its bytes are its own
-                own = viewed(leaf.value) if owned else _own_copy(leaf.value.detach(), leaf.own_stride)
+                bucket = group.buckets[leaf.bucket]
+                # not in a buffer: never packed (an owner's bytes are its own), or not yet -- a group packed
+                # later (lazily), or one a failed packing did not reach (`OffloadRuntime.__init__`), whose masters
+                # still view the weights' own bytes
+                packed = bucket.owner is None and (group.packed or bucket.host is not None or bucket.file is not None)
+                own = _own_copy(leaf.value.detach(), leaf.own_stride) if packed else viewed(leaf.value)
                 if isinstance(leaf.tensor, HostMaster):
                     masters[id(leaf.tensor)] = (leaf.tensor, own)
-                elif not owned:
+                elif packed:
                     leaf.assign(own)
         if masters and model is not None:
             release_masters(model, masters)
@@ -361,6 +363,7 @@ class HostStore:
                     bucket.file = None
             group.staged = ()
             group.packed = False
+        self._disk_space = None  # its descriptor closes with the last region (or here, where none was handed out)
 
     # -- layout questions of the backend --------------------------------------------------------------
     def _same_layout(self, a: int, b: int) -> bool:
