@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_plan, offload_stats, plan_summary
+from offload_compiler import (OffloadPolicy, OffloadSavingWarning, describe_plan, offload_compile, offload_plan,
+                              offload_stats, plan_summary)
 from offload_compiler.backend import _parked_instance
 from offload_compiler.passes.slots import schedule_pool_bytes, schedule_slot_events, sized_slots, sizes_bytes
 from offload_compiler.runtime import size_class
@@ -234,3 +235,60 @@ def _largest_per_kind(runtime) -> dict:
         kind = slot_kind(size_class(group))
         largest[kind] = max(largest.get(kind, 0), group.nbytes)
     return largest
+
+
+def test_a_component_strategy_that_saves_far_less_than_one_component_at_a_time_warns():
+    """Components of different dtype kinds (one holds an int64 buffer) get slots of their own: alternating then
+    holds both, and says so before the first call, naming the largest component and the fix."""
+    from torch import nn
+
+    class Part(nn.Module):
+        def __init__(self, ids: bool) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            if ids:
+                self.register_buffer("ids", torch.arange(4))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Part(True), Part(False)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    m, x = Two(), torch.randn(2, 64)
+    want = m(x)
+    with pytest.warns(OffloadSavingWarning, match=r"alternating saves .* one component at a time saves .*largest "
+                                                   r"component, 'a'.*'a' \(float32/int64\), 'b' \(float32\)\)\. Fix:"):
+        offload_compile(m, OffloadPolicy(strategy="alternating", components=["a", "b"], keep_after_use=False,
+                                         device="cpu"))
+    torch.testing.assert_close(m(x), want)
+    # the warning said what the pool holds
+    assert plan_summary(m)["saving"]["pool_bytes"] == sum(g.nbytes for g in m._offload_runtime.groups)
+
+
+def test_budget_on_a_pipeline_holds_no_more_than_its_estimate():
+    """Budget over a pipeline's components (each called as its graph): the pool once held a slot per size class per
+    component (85% of the weights for offload_gb = 60%) where the estimate the warning judges by counted the
+    prefetch window; now the pool is within the estimate, and the saving is what offload_gb asked for, about."""
+    from offload_compiler.offloaded import state_of
+    from offload_compiler.savings import peak_estimate
+    from offload_compiler.testing.pipelines import flux_pipeline
+    pipe, kw = flux_pipeline()
+    comps = ["text_encoder", "text_encoder_2", "transformer", "vae"]
+    total = sum(t.nbytes for n in comps for t in [*getattr(pipe, n).parameters(), *getattr(pipe, n).buffers()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadSavingWarning)
+        offload_compile(pipe, OffloadPolicy(strategy="budget", offload_gb=0.6 * total / 2**30, components=comps,
+                                            device="cpu"))
+    runtime = state_of(pipe).runtime
+    estimate = peak_estimate(runtime.groups, 1) + runtime.unmanaged_bytes
+    with torch.no_grad():
+        pipe(**kw)
+    saving = plan_summary(pipe)["saving"]
+    assert saving["verified"] and saving["device_weight_peak_bytes"] <= estimate, (saving, estimate)
+    assert saving["share_of_model"] <= 0.6, saving
