@@ -21,7 +21,7 @@ from .planning import auto
 from .planning.auto import OffloadPlan
 from .offloaded import (OffloadState, OffloadedModule, add_method, install_output_capture, offload_module,
                         offload_pipeline, PipelineModules, refuse_other_offloaders, state_of)
-from .policy import OffloadPolicy, spelled, warn_user
+from .policy import COMPONENT_STRATEGIES, OffloadPolicy, spelled, warn_user
 from .runtime import OffloadRuntime, OffloadStats
 from .runtime.stats import held_device_weight_bytes, held_pool_bytes
 from .storage import FilledBuckets
@@ -144,11 +144,13 @@ def register_offload_method(model: Any, name: str) -> None:
 
 
 def _check_saving(model: nn.Module, policy: OffloadPolicy) -> None:
-    """Warn, before the first call, where the groups make layerwise or budget save little (`saving_warning`)."""
+    """Warn, before the first call, where the groups make layerwise, budget, alternating or model save little
+    (`saving_warning`)."""
     runtime = state_of(model).runtime
-    if runtime is None or policy.strategy not in BLOCK_STRATEGIES:  # auto plans at its first call
+    if runtime is None or policy.strategy not in (*BLOCK_STRATEGIES, *COMPONENT_STRATEGIES):  # auto plans later
         return
-    message = saving_warning(model, runtime.groups, policy, block_paths(model, policy), runtime.unmanaged_bytes)
+    stacks = block_paths(model, policy) if policy.strategy in BLOCK_STRATEGIES else ()  # components: no stacks
+    message = saving_warning(model, runtime.groups, policy, stacks, runtime.unmanaged_bytes)
     if message is not None:
         warn_user(message, OffloadSavingWarning)
 

@@ -172,7 +172,7 @@ def rewrite_graph(gm: fx.GraphModule, example_inputs: list, runtime: OffloadRunt
     verified = verify(rewritten.graph_module, weights, group_bytes)
     events = slot_events(rewritten.graph_module)
     pooling = runtime.transfers.pooling(events)
-    slots, sizes = pooling.plan(events, runtime.pool.sizes())
+    slots, sizes = pooling.plan(events, runtime.pool.sizes(), runtime.transfers.growable_slots())
     runtime.plan_slots(slots, pooling, sizes)
     routed_slots = runtime.transfers.plan_routed([r for rs in routed.values() for r in rs])
     return rewritten.graph_module, rewritten.num_outputs, GraphPlan(

@@ -13,7 +13,7 @@ from torch import nn
 from .grouping import BUDGET_SLACK, MODEL_STACKS, ROOT, discover_stacks, join_path, registered_submodule
 from .passes.schedule import Use, build_schedule
 from .passes.slots import class_bytes, schedule_pool_bytes, slot_kind
-from .policy import OffloadPolicy
+from .policy import COMPONENT_STRATEGIES, OffloadPolicy
 from .runtime.layout import layout_group
 from .runtime.slots import size_class
 
@@ -105,6 +105,8 @@ def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, st
             return window
         problem = (f"budget streams {_mib(moved)} ({moved / total:.0%} of {name}) where offload_gb={policy.offload_gb:g} "
                    f"asked for {_mib(policy.offload_bytes)}")
+    elif policy.strategy in COMPONENT_STRATEGIES:
+        return _component_pool_warning(name, groups, policy, unmanaged_bytes)
     else:
         return None
     largest = max(streamed, key=lambda g: g.nbytes)
@@ -171,3 +173,32 @@ def _fix(model: nn.Module, group: str, groups: list, policy: OffloadPolicy, stac
     return (f"Fix: {group!r} (a {kind}) holds no stack of blocks to split it along: name smaller blocks with "
             f"blocks_attr='path.to.blocks' where the model has them and keep blocks_per_group=1, or keep it on the "
             f"device (strategy='budget' streams the rest){fewer}.")
+
+
+def _component_pool_warning(name: str, groups: list, policy: OffloadPolicy, unmanaged_bytes: int) -> str | None:
+    """Why alternating or model saves far less than one component at a time would (under `BUDGET_SAVED_SHARE`
+    of it), naming the largest component and the fix; None where it saves about that. A component is alone on
+    the device while it runs (nothing is fetched ahead of it), so its slots hold the largest component -- of
+    each dtype kind (`passes.slots`: a slot holds groups of one kind; kept components stay in their slot until
+    another needs the room, the same slots): components of different kinds, one holding an int64 buffer
+    another lacks, each get slots of their own, together on the device."""
+    streamed = [g for g in groups if g.streamed]
+    total = sum(g.nbytes for g in groups) + unmanaged_bytes
+    largest = max(streamed, key=lambda g: g.nbytes)
+    kept = sum(g.nbytes for g in groups if not g.streamed) + unmanaged_bytes
+    should = total - kept - largest.nbytes  # one component at a time
+    saved = total - peak_estimate(groups, 0) - unmanaged_bytes
+    if should <= 0 or saved >= BUDGET_SAVED_SHARE * should:
+        return None
+    kinds: dict[tuple, list] = {}
+    for g in streamed:
+        kinds.setdefault(slot_kind(_size_class_of(g)), []).append(g)
+    apart = [max(members, key=lambda g: g.nbytes) for members in kinds.values()]
+    others = ", ".join(f"{g.name!r} ({'/'.join(str(d).removeprefix('torch.') for d in kind)})"
+                       for kind, g in zip(kinds, apart))
+    return (f"{policy.strategy} saves {_mib(max(saved, 0))} ({max(saved, 0) / total:.0%} of {name}) where one "
+            f"component at a time saves {_mib(should)}: its largest component, {largest.name!r}, holds "
+            f"{largest.nbytes / total:.0%} of the model, but components of different dtypes get device slots of "
+            f"their own, on the device together ({others}). Fix: give the components the same dtypes (an odd "
+            f"buffer, such as int64 position ids, made a non-persistent buffer built on the device), or "
+            f"strategy='layerwise' with components= streams their blocks one at a time.")

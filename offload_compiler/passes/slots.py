@@ -83,8 +83,8 @@ def _grown(size: tuple | None, need: tuple) -> tuple:
 
 
 def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int],
-           size_of: Callable[[int], tuple], fixed: Sizes, lend: bool = False
-           ) -> tuple[dict[int, tuple[int, int]], Sizes]:
+           size_of: Callable[[int], tuple], fixed: Sizes, lend: bool = False,
+           growable: frozenset[tuple[tuple, int]] = frozenset()) -> tuple[dict[int, tuple[int, int]], Sizes]:
     sizes: Sizes = {cls: list(had) for cls, had in fixed.items()}
     free: dict[tuple, set[int]] = {cls: set(range(len(had))) for cls, had in fixed.items()}  # earlier graphs'
     assigned: dict[int, tuple[int, int]] = {}
@@ -92,14 +92,15 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
     kept: dict[tuple, set[int]] = {}  # slots of dedicated carried keys: nobody else's
 
     def place(cls: tuple, candidates: set[int], group: int) -> int:
-        """Best fit: the smallest candidate the copy fits in; else the largest one planned by this graph,
-        grown (never more bytes than a new slot; an earlier graph's slot may be allocated: it never grows);
-        else a new slot. Slots of one size class all fit: the lowest index, as a plain colouring."""
+        """Best fit: the smallest candidate the copy fits in; else the largest one planned by this graph or an
+        earlier graph's slot the runtime lets grow (``growable``: it holds no copy now), grown (never more bytes
+        than a new slot; any other earlier graph's slot may hold a copy: it never grows); else a new slot.
+        Slots of one size class all fit: the lowest index, as a plain colouring."""
         need, had, planned_before = size_of(group), sizes.setdefault(cls, []), len(fixed.get(cls, ()))
         if size_of is class_of and candidates:  # one size per class: a plain colouring
             return min(candidates)
         fitting = [i for i in candidates if had[i] is not None and _fits(had[i], need)]
-        growable = [i for i in candidates if i >= planned_before]
+        growable = [i for i in candidates if i >= planned_before or (cls, i) in grows]
         if fitting:
             index = min(fitting, key=lambda i: (class_bytes(had[i]), i))
         elif growable:
@@ -107,10 +108,11 @@ def _color(events: Events, class_of: Callable[[int], tuple], dedicated: set[int]
         else:
             had.append(None)
             index = len(had) - 1
-        if index >= planned_before:
+        if index >= planned_before or (cls, index) in grows:
             had[index] = _grown(had[index], need)
         return index
 
+    grows = growable
     lent = _lendable(events) if lend else None
     owner: dict[tuple, int] = {}  # (class, slot) -> the carried key whose carry it awaits
     for _, key, group, mode in events:  # carried copies are in their slots when the graph starts
@@ -153,18 +155,20 @@ def assign_slots(gm: fx.GraphModule, class_of: Callable[[int], tuple]) -> dict[i
 
 
 def plan_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple] | None = None,
-               fixed: Sizes | None = None) -> dict[int, tuple[int, int]]:
+               fixed: Sizes | None = None, growable: frozenset = frozenset()) -> dict[int, tuple[int, int]]:
     """fetch key -> (group, slot index within its slot class). ``size_of``: each group's size class where the
     slots of one class may hold groups of several sizes (a kind's shared slots); ``fixed``: the slots earlier
-    graphs planned (class -> their sizes), never grown."""
-    return sized_slots(events, class_of, size_of, fixed)[0]
+    graphs planned (class -> their sizes), never grown but those of ``growable`` ((class, index): slots the
+    runtime can reallocate larger, as they hold no copy)."""
+    return sized_slots(events, class_of, size_of, fixed, growable)[0]
 
 
 def sized_slots(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple] | None = None,
-                fixed: Sizes | None = None) -> tuple[dict[int, tuple[int, int]], Sizes]:
+                fixed: Sizes | None = None, growable: frozenset = frozenset()
+                ) -> tuple[dict[int, tuple[int, int]], Sizes]:
     """`plan_slots` and the size of each slot of each class: the largest group it holds, buffer by buffer."""
     lends = (False, True) if any(mode == CARRY for _, _, _, mode in events) else (False,)
-    return min((_resolved(events, class_of, size_of or class_of, fixed or {}, lend) for lend in lends),
+    return min((_resolved(events, class_of, size_of or class_of, fixed or {}, lend, growable) for lend in lends),
                key=lambda planned: _held(planned[1]))
 
 
@@ -175,14 +179,14 @@ def _held(sizes: Sizes) -> int:
 
 
 def _resolved(events: Events, class_of: Callable[[int], tuple], size_of: Callable[[int], tuple], fixed: Sizes,
-              lend: bool) -> tuple[dict[int, tuple[int, int]], Sizes]:
+              lend: bool, growable: frozenset = frozenset()) -> tuple[dict[int, tuple[int, int]], Sizes]:
     """A colouring in which every carried copy finds its slot free where it is carried: a conflict keeps the
     carried key's slot for it alone, and colours again. With ``lend``, a slot awaiting a carry is first given
     to a fetch that gives it back before that carry (`_lendable`)."""
     dedicated: set[int] = set()
     while True:
         try:
-            return _color(events, class_of, dedicated, size_of, fixed, lend)
+            return _color(events, class_of, dedicated, size_of, fixed, lend, growable)
         except _Conflict as conflict:  # at most once per carried key
             dedicated.add(conflict.key)
 
@@ -242,8 +246,9 @@ class Pooling:
         kind = slot_kind(cls)
         return (SHARED, kind) if kind in self.shared else cls
 
-    def plan(self, events: Events, fixed: Sizes | None = None) -> tuple[dict[int, tuple[int, int]], Sizes]:
-        return sized_slots(events, self.slot_class, self.size_class, fixed)
+    def plan(self, events: Events, fixed: Sizes | None = None, growable: frozenset = frozenset()
+             ) -> tuple[dict[int, tuple[int, int]], Sizes]:
+        return sized_slots(events, self.slot_class, self.size_class, fixed, growable)
 
 
 def kind_of_slot_class(slot_class: tuple) -> tuple:
@@ -259,16 +264,23 @@ def _bytes_per_kind(sizes: Sizes) -> dict[tuple, int]:
 
 
 def choose_pooling(events: Events, size_class: Callable[[int], tuple], decided: dict[tuple, bool] | None = None,
-                   fixed: Sizes | None = None) -> tuple[Pooling, dict[tuple, bool]]:
+                   fixed: Sizes | None = None, classes: frozenset[tuple] = frozenset()
+                   ) -> tuple[Pooling, dict[tuple, bool]]:
     """Per kind the smaller pool for ``events``: slots per size class, or shared by the kind. A kind an earlier
     graph of the runtime ``decided`` keeps its decision (its slots may be allocated). Returns the pooling and
-    every kind's decision (``decided`` and the new ones). Deterministic: ties go to slots per size class."""
+    every kind's decision (``decided`` and the new ones). Deterministic: ties go to slots per size class, but
+    where ``classes`` (the size classes of every group the runtime streams) holds more than one of the kind:
+    later graphs fetch those, and shared slots hold them in the slots this graph planned (grown where free,
+    `_color`), where slots per size class would add a slot per class -- a component per graph (alternating,
+    sequential over a pipeline) held every component at once that way."""
     decided = dict(decided or {})
     by_class = _bytes_per_kind(Pooling(size_class).plan(events, fixed)[1])
     everything = frozenset(slot_kind(size_class(group)) for _, _, group, _ in events)
     by_kind = _bytes_per_kind(Pooling(size_class, everything).plan(events, fixed)[1])
     for kind in everything:
-        decided.setdefault(kind, by_kind.get(kind, 0) < by_class.get(kind, 0))
+        several = sum(slot_kind(cls) == kind for cls in classes) > 1
+        shared, apart = by_kind.get(kind, 0), by_class.get(kind, 0)
+        decided.setdefault(kind, shared < apart or (several and shared == apart))
     return Pooling(size_class, frozenset(k for k, shared in decided.items() if shared)), decided
 
 

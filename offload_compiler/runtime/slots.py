@@ -84,6 +84,14 @@ class DeviceSlot:
         self._cut.clear()
         self.ready = self.free = None
 
+    def resize(self, size_class: tuple) -> None:
+        """Hold ``size_class`` from now on (a shared slot a new graph grew, holding no copy): the old memory goes
+        and the next fill allocates the new size; the copies of the groups it held before are its prefix."""
+        self.drop_buffers()
+        self._staging = None
+        self.size_class = size_class
+        self.nbytes = sum(numel * dtype.itemsize for numel, dtype in size_class)
+
     def leaves(self, group: Group) -> tuple[torch.Tensor, ...]:
         """Each plain leaf of ``group`` (in `Group.leaves` order) over this slot's buffers with its layout, made
         at the first use and the same tensors on every call. Each has a storage object of its own over the
@@ -136,7 +144,7 @@ class DevicePool:
         for index, size in enumerate(sizes):
             if index == len(slots):
                 slots.append(DeviceSlot(size, self.device, index, self.streams))
-            elif slots[index].size_class != size:  # the colouring never grows a planned slot: a planning bug
+            elif slots[index].size_class != size:  # only a free slot grows, resized before: a planning bug
                 raise AssertionError(f"device slot {index} of {slot_class} is {slots[index].size_class}, not {size}")
         return slots
 

@@ -22,7 +22,7 @@ from .copier import CopyWorker
 from .device import DeviceStreams
 from .host import HostStore, stamp
 from .layout import Group
-from ..passes.slots import Pooling, choose_pooling
+from ..passes.slots import SHARED, Pooling, choose_pooling
 from .slots import DevicePool, DeviceSlot, Ledger, size_class
 
 CARRY_MISSES_TO_STOP = 2  # a key whose carried copies were dropped unused this often (never used) stops carrying
@@ -144,9 +144,25 @@ class TransferEngine:
         """How a graph with slot ``events`` (`passes.slots`) pools its fetches: per kind, slots per size class
         or shared by the kind, whichever the kind's first graph needed less of; the decision then holds for the
         runtime's later graphs (their slots are of the same pool)."""
+        classes = frozenset(size_class(g) for g in self.groups if g.streamed)
         pooling, self._shared_kinds = choose_pooling(events, self.size_class_of, self._shared_kinds,
-                                                     self.pool.sizes())
+                                                     self.pool.sizes(), classes)
         return pooling
+
+    def growable_slots(self) -> frozenset[tuple[tuple, int]]:
+        """(slot class, index) of the shared slots a new graph's colouring may grow (`passes.slots._color`):
+        those holding no copy of a call in progress or carried for the next one -- free, or holding a parked
+        component, which goes, as it would at the slot's next fill (it stays only until another needs the
+        room) -- and never filled inside a graph capture (a captured graph keeps its slots' addresses).
+        `plan_slots` reallocates a grown one larger; the graphs planned before find their copies at its prefix
+        (`DeviceSlot.buffers_for`). Without it a later graph's larger group of the kind got a slot of its own
+        next to the free smaller one: a component per graph pooled every component's bytes."""
+        busy = {*self._pending.values(), *self._live.values(), *(c.slot for c in self._carried.values())}
+        parked = {slot for slot, _ in self._parked.values()}
+        return frozenset((cls, slot.index) for cls, slots in self.pool.slots.items() if cls[:1] == (SHARED,)
+                         for slot in slots
+                         if slot not in busy and not slot.filled_in_capture
+                         and (slot.group is None or slot in parked))
 
     def size_class_of(self, group: int) -> tuple:
         return size_class(self.groups[group])
@@ -157,6 +173,12 @@ class TransferEngine:
         (`passes.slots.sized_slots`: the slots earlier graphs planned are among them, unchanged); the pool grows
         to hold every slot named."""
         for cls, had in sizes.items():
+            for slot, size in zip(self.pool.slots.get(cls, ()), had):
+                if slot.size_class != size:  # grown (`growable_slots`): its copy goes, then its memory
+                    self._vacate(slot)
+                    if self.streams is not None:  # the allocator's reuse of it on compute after every copy
+                        self.streams.order_compute_after_copies()
+                    slot.resize(size)
             self.pool.reserve(cls, had)
         for key, (group, index) in assignment.items():
             self._slot_of[key] = self.pool.slots[pooling.slot_class(group)][index]
