@@ -59,7 +59,7 @@ def main() -> None:
     stats = offload_stats(offloaded)
     print(f"capture+compile {compile_s:.1f}s, one offloaded call {call_s * 1e3:.0f} ms")
     looked_up = (f", and {stats.routed_bytes / 2**10:.1f} KiB of rows looked up in {stats.routed_fetches} routed "
-                 f"fetches (the token embedding's rows for the call's tokens, not its table)"
+                 f"fetch{'es' if stats.routed_fetches != 1 else ''} (the token embedding's rows for the call's tokens, not its table)"
                  if stats.routed_fetches else "")
     print(f"moved {(stats.bytes_transferred - stats.routed_bytes) / 2**20:.1f} MiB in {stats.fetch_count} fetches per "
           f"call{looked_up}")
