@@ -199,6 +199,6 @@ def _component_pool_warning(name: str, groups: list, policy: OffloadPolicy, unma
     return (f"{policy.strategy} saves {_mib(max(saved, 0))} ({max(saved, 0) / total:.0%} of {name}) where one "
             f"component at a time saves {_mib(should)}: its largest component, {largest.name!r}, holds "
             f"{largest.nbytes / total:.0%} of the model, but components of different dtypes get device slots of "
-            f"their own, on the device together ({others}). Fix: give the components the same dtypes (an odd "
-            f"buffer, such as int64 position ids, made a non-persistent buffer built on the device), or "
-            f"strategy='layerwise' with components= streams their blocks one at a time.")
+            f"their own, on the device together ({others}). Fix: give the components the same dtypes; where "
+            f"what differs is a buffer (int64 position ids), offload_buffers=False keeps buffers on the device; "
+            f"or strategy='layerwise' streams their blocks one at a time.")

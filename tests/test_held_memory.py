@@ -269,6 +269,17 @@ def test_a_component_strategy_that_saves_far_less_than_one_component_at_a_time_w
     torch.testing.assert_close(m(x), want)
     # the warning said what the pool holds
     assert plan_summary(m)["saving"]["pool_bytes"] == sum(g.nbytes for g in m._offload_runtime.groups)
+    # and its fix works: the int64 buffer kept on the device, both components share one slot, unwarned
+    fixed = Two()
+    fixed.load_state_dict(m.state_dict())  # the same weights as the plain model that gave ``want``
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadSavingWarning)
+        offload_compile(fixed, OffloadPolicy(strategy="alternating", components=["a", "b"], keep_after_use=False,
+                                             device="cpu", offload_buffers=False))
+    torch.testing.assert_close(fixed(x), want)
+    from offload_compiler.testing import assert_traffic_matches_plan
+    assert assert_traffic_matches_plan(fixed).fetch_count == 2  # each component once, streamed
+    assert plan_summary(fixed)["saving"]["pool_bytes"] == max(g.nbytes for g in fixed._offload_runtime.groups)
 
 
 def test_budget_on_a_pipeline_holds_no_more_than_its_estimate():

@@ -51,25 +51,25 @@ class OffloadStats:
         return max(self.device_weight_bytes, self.peak_resident_bytes + self.unmanaged_bytes)
 
     def __str__(self) -> str:
-        # each figure in the unit that shows it: a routed fetch or a carried copy of a small model is kilobytes,
-        # which a fixed MiB printed as 0.00
-        mib = readable_bytes
+        # each figure in the unit that shows it (`readable_bytes`): a routed fetch or a carried copy of a small
+        # model is kilobytes, which a fixed MiB printed as 0.00
+        size = readable_bytes
         total = self.total_bytes + self.unmanaged_bytes
-        kept = f", {mib(self.unmanaged_bytes)} kept on the device" if self.unmanaged_bytes else ""
-        carried = (f"; {mib(self.carried_bytes)} prefetched for the next call ({self.carry_hits} used)"
+        kept = f", {size(self.unmanaged_bytes)} kept on the device" if self.unmanaged_bytes else ""
+        carried = (f"; {size(self.carried_bytes)} prefetched for the next call ({self.carry_hits} used)"
                    if self.carried_bytes or self.carry_hits else "")
-        carried += (f"; {mib(self.on_demand_bytes)} fetched on demand outside the offloaded graphs"
+        carried += (f"; {size(self.on_demand_bytes)} fetched on demand outside the offloaded graphs"
                     if self.on_demand_bytes else "")
-        carried += (f"; {mib(self.disk_bytes)} on disk, {mib(self.disk_bytes_read)} read from it"
+        carried += (f"; {size(self.disk_bytes)} on disk, {size(self.disk_bytes_read)} read from it"
                     if self.disk_bytes else "")
-        carried += (f"; experts {mib(self.expert_bytes_per_call)} per call" if self.expert_bytes else "")
-        carried += (f"; {mib(self.routed_bytes)} in {counted(self.routed_fetches, 'routed fetch', 'routed fetches')} "
+        carried += (f"; experts {size(self.expert_bytes_per_call)} per call" if self.expert_bytes else "")
+        carried += (f"; {size(self.routed_bytes)} in {counted(self.routed_fetches, 'routed fetch', 'routed fetches')} "
                     f"(the rows indices named)" if self.routed_fetches else "")
-        return (f"moved {mib(self.bytes_transferred)} in {counted(self.fetch_count, 'fetch', 'fetches')}; "
-                f"device weights held {mib(self.peak_device_weight_bytes)} of {mib(total)} "
-                f"({mib(self.pool_bytes)} of device slots; {mib(self.resident_bytes)} resident, "
-                f"{mib(self.streamed_bytes)} streamed{kept}); copies in flight at most "
-                f"{mib(self.peak_resident_bytes)}{carried}")
+        return (f"moved {size(self.bytes_transferred)} in {counted(self.fetch_count, 'fetch', 'fetches')}; "
+                f"device weights held {size(self.peak_device_weight_bytes)} of {size(total)} "
+                f"({size(self.pool_bytes)} of device slots; {size(self.resident_bytes)} resident, "
+                f"{size(self.streamed_bytes)} streamed{kept}); copies in flight at most "
+                f"{size(self.peak_resident_bytes)}{carried}")
 
 
 def _slot_sizes(pool) -> dict[int, int]:
