@@ -178,6 +178,10 @@ def _saving_line(runtime: OffloadRuntime) -> str | None:
     how = (f"held from the first call on: {held_pool_bytes(runtime) / 2**20:.3f} MiB of device slots, planned over "
            f"the verified graphs" if verified else "estimated before the first call: resident groups + up to "
            f"prefetch+1 device slots of each group size{_read_ahead_note(runtime)}")
+    if verified and runtime.gives_back_slots:
+        how = (f"held only while a call runs: its {held_pool_bytes(runtime) / 2**20:.3f} MiB of device slots are "
+               f"given back after each call, so between calls the device holds "
+               f"{runtime.unmanaged_bytes / 2**20:.3f} MiB of its weights")
     return (f"  device weight peak {nbytes / 2**20:.3f} MiB of {total / 2**20:.3f} MiB: {nbytes / total:.0%} of the "
             f"model ({how})")
 
@@ -298,7 +302,10 @@ def runtime_plan_dict(runtime: OffloadRuntime) -> dict[str, Any]:
     total = runtime.total_bytes + runtime.unmanaged_bytes
     saving = None if peak is None else {"device_weight_peak_bytes": peak[0],
                                         "share_of_model": peak[0] / total if total else None, "verified": peak[1],
-                                        "pool_bytes": held_pool_bytes(runtime) if peak[1] else None}
+                                        "pool_bytes": held_pool_bytes(runtime) if peak[1] else None,
+                                        # held during a call only: the device holds the rest between calls
+                                        "between_calls_bytes": runtime.unmanaged_bytes
+                                        if runtime.gives_back_slots else peak[0]}
     return {"model": runtime.model_name, "strategy": policy.strategy, "device": str(runtime.device),
             "prefetch": policy.prefetch, "prefetch_next_call": policy.prefetch_next_call,
             "compiler": policy.compiler, "pinned": runtime.pinned, "planned": True, "groups": groups,

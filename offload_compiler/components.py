@@ -19,6 +19,10 @@ ENCODER_MODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_en
 ENTRY_METHODS = ("encode", "decode", "get_text_features", "get_image_features")
 
 
+# the path of the model itself as its one component (``model.get_submodule("")`` is the model)
+WHOLE_MODEL = ""
+
+
 def _holds_weights(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
@@ -48,16 +52,21 @@ def _matches(path: str, name: str) -> bool:
     return any(s == name or fnmatch.fnmatchcase(s, name) for s in suffixes)
 
 
-def resolve(model: nn.Module, names: Iterable[str] | None) -> list[str]:
+def resolve(model: nn.Module, names: Iterable[str] | None, whole: bool = True) -> list[str]:
     """Module paths of the named components. A name is a module name (``visual`` finds ``thinker.visual``),
-    a dotted path, or a glob (``visual.*``: each child of ``visual``); ``None`` is every discovered component."""
+    a dotted path, or a glob (``visual.*``: each child of ``visual``); ``None`` is every discovered component,
+    and where ``model`` has none of the known names, ``model`` itself (`WHOLE_MODEL`): a stage model (a
+    code2wav or token2wav vocoder, loaded on its own) is the one component it holds. ``whole=False`` (a
+    pipeline object, whose components are called one by one and never as one model) refuses that instead."""
     paths = module_paths(model)
     if names is None:
         found = discover(model)
-        if not found:
-            raise ValueError(f"{type(model).__name__} has none of the known components {list(STAGES + SUB_COMPONENTS)}; "
-                             f"name them with components=[...]; its modules are {_top(model)}")
-        return found
+        if found:
+            return found
+        if whole:
+            return [WHOLE_MODEL]
+        raise ValueError(f"{type(model).__name__} has none of the known components {list(STAGES + SUB_COMPONENTS)}; "
+                         f"name them with components=[...]; its modules are {_top(model)}")
     chosen: list[str] = []
     for name in names:
         hits = _outermost(p for p in paths if _matches(p, name))
@@ -65,7 +74,9 @@ def resolve(model: nn.Module, names: Iterable[str] | None) -> list[str]:
             known = discover(model)
             raise ValueError(f"unknown component {name!r} in {type(model).__name__}{_did_you_mean(name, paths)}; "
                              f"components that exist: {known or 'none of the known names'}; top-level modules: "
-                             f"{_top(model)}")
+                             f"{_top(model)}. Name those (components=[...], cpu_offload_components in engine args), "
+                             f"or leave components unset: every component found, or, where there are none, the "
+                             f"whole model as one")
         chosen.extend(h for h in hits if h not in chosen)
     return chosen
 
@@ -103,7 +114,7 @@ def component_of(name: str, components: list[str]) -> str | None:
     """The innermost component holding weight ``name``."""
     best = None
     for path in components:
-        if name.startswith(path + ".") and (best is None or len(path) > len(best)):
+        if (path == WHOLE_MODEL or name.startswith(path + ".")) and (best is None or len(path) > len(best)):
             best = path
     return best
 

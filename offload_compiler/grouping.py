@@ -36,6 +36,9 @@ class GroupSpec:
     streamed: bool
     is_block: bool
     exclusive: bool = False  # alternates on the device with the other exclusive groups
+    # the whole model as its one component (`components.WHOLE_MODEL`): no other group can need its room, so it
+    # is never kept after its forward, and its device slot is given back after each call (`OffloadRuntime.end_call`)
+    whole_model: bool = False
     experts: bool = False  # a block's fused expert weights (`split_experts`): a graph may fetch only those routed
 
     @property
@@ -534,9 +537,15 @@ def _component_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Wei
         paths = dits + encoders
     elif policy.strategy == "alternating" or (policy.strategy == "sequential" and (
             policy.components is not None or components.discover(model))):
-        paths = components.resolve(model, policy.components)
+        from .offloaded.pipeline import PipelineModules  # (offloaded builds on this module)
+        paths = components.resolve(model, policy.components, whole=not isinstance(model, PipelineModules))
     else:
         return None
+    if paths == [components.WHOLE_MODEL]:
+        # "offload when not in use" for a model that is one stage: on the device while a call runs, on the host
+        # between calls. Kept after its forward (keep_after_use), it would stay until another component needs
+        # the room, which none ever does: the device would hold the whole model from the first call on
+        return [GroupSpec(ROOT, tuple(weights), True, False, whole_model=True)] if weights else []
     exclusive = policy.strategy in ("alternating", "model")
     keyed: dict[str, list[Weight]] = {path: [] for path in paths}
     for w in weights:

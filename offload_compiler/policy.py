@@ -104,7 +104,9 @@ class OffloadPolicy:
     components:        the parts that are offloaded; weights outside them stay resident on the device.
                        ``alternating`` and ``sequential``: component names, dotted paths or globs (``thinker``,
                        ``thinker.visual``, ``visual.*``); None means every component discovered (``thinker``,
-                       ``talker``, ``code2wav``, ``token2wav``, ``visual``, ``audio_tower``, ``language_model``).
+                       ``talker``, ``code2wav``, ``token2wav``, ``visual``, ``audio_tower``, ``language_model``);
+                       with ``alternating``, a model with none of them (a stage model loaded on its own) is its
+                       one component, fetched for each call and given back after it, device memory included.
                        ``layerwise``, ``budget``, ``auto`` on a pipeline object: the names of its components
                        streamed block by block (``["text_encoder", "transformer", "vae"]``); None means its
                        encoders, then its denoisers. On an nn.Module these refuse it (they stream the blocks of

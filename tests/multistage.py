@@ -1,5 +1,6 @@
 """A small multi-stage model shaped like Qwen2.5-Omni (thinker with visual and audio encoders, talker,
-token2wav), for component tests and the CLI's --model pkg.module:fn."""
+token2wav), and a code2wav stage model loaded on its own (a vocoder: codes to a waveform, none of the known
+component names inside), for component tests and the CLI's --model pkg.module:fn."""
 
 import torch
 from torch import nn
@@ -47,3 +48,23 @@ def thinker():
 def omni():
     torch.manual_seed(0)
     return Omni().eval(), inputs()
+
+
+class Code2Wav(nn.Module):
+    """A code2wav stage as vllm-omni loads it: one model, codes embedded, convolved and upsampled to a waveform."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.pre = nn.Conv1d(16, 24, 3, padding=1)
+        self.up = nn.ConvTranspose1d(24, 12, 4, stride=2, padding=1)
+        self.post = nn.Conv1d(12, 1, 3, padding=1)
+
+    def forward(self, codes):
+        h = torch.relu(self.pre(self.embed(codes).transpose(1, 2)))
+        return torch.tanh(self.post(torch.relu(self.up(h))))
+
+
+def code2wav():
+    torch.manual_seed(0)
+    return Code2Wav().eval(), (torch.randint(0, 32, (1, 10), generator=torch.Generator().manual_seed(1)),)

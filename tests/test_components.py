@@ -2,6 +2,7 @@
 model-level offload on a container and on a pipeline object."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from offload_compiler.testing.models import diffusion_container, diffusion_pipel
 from offload_compiler.testing import assert_offload_equivalent
 
 CPU = dict(device="cpu", debug_poison=True)
+DATA = Path(__file__).parent / "data"
 
 
 def _bytes(module):
@@ -233,3 +235,119 @@ def test_components_with_a_block_strategy_on_a_model_are_refused_naming_the_ways
     assert type(model) is Omni and "_offload_state" not in model.__dict__
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(model(*args), expected)
+
+
+# -- the seeds' stage YAML: each stage's engine args on the model of that stage --------------------------
+
+def _stage_policy(yaml_name, stage_id, device):
+    from offload_compiler import load_stage_configs
+    (stage,) = [s for s in load_stage_configs(DATA / yaml_name) if s.stage_id == stage_id]
+    return stage.policy.replace(device=device, debug_poison=True)
+
+
+def _devices():
+    from offload_compiler.testing import simulated_device
+    return ["cpu", simulated_device()]
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_a_stage_model_offloaded_without_components_is_on_the_device_only_while_it_runs(device):
+    """The seeds' stage 2 (``model_stage: code2wav, cpu_offload_enabled: true  # Offload code2wav when not in
+    use``, no components): the code2wav model holds none of the known component names, so it is the one
+    component itself, fetched whole for each call and given back after it, device memory included."""
+    from multistage import code2wav
+    from offload_compiler import describe_plan, plan_summary, reset_offload_stats
+    from offload_compiler.testing import assert_traffic_matches_plan
+    model, (codes,) = code2wav()
+    with torch.no_grad():
+        expected = model(codes)
+    policy = _stage_policy("seed_selective.yaml", 2, device)
+    assert (policy.strategy, policy.components, policy.keep_after_use) == ("alternating", None, True)
+    dev = torch.get_device_module(device) if device != "cpu" else None
+    if dev is not None:
+        dev.synchronize()
+        base = dev.memory_allocated()
+    m = offload_compile(copy.deepcopy(model), policy)
+    (group,) = m._offload_runtime.groups
+    assert (group.name, group.streamed, group.nbytes) == ("(root)", True, _bytes(model))
+    assert "the whole model, its one component: fetched for each call" in describe_plan(m)
+    with torch.no_grad():
+        for call in range(3):
+            if call == 1:
+                reset_offload_stats(m)
+                if dev is not None:
+                    dev.reset_peak_memory_stats()
+            out = m(codes.to(device))
+            torch.testing.assert_close(out.cpu(), expected, atol=0, rtol=0)
+            del out
+            stats = offload_stats(m)
+            # between calls: no copy alive, none parked, and (on a device with an allocator) no memory held
+            assert (stats.live_device_bytes, stats.parked_bytes, stats.unmanaged_bytes) == (0, 0, 0)
+            if dev is not None:
+                dev.synchronize()
+                assert dev.memory_allocated() == base
+    stats = assert_traffic_matches_plan(m)  # the plan's fetches and bytes, every call
+    assert (stats.calls, stats.fetch_count, stats.bytes_transferred) == (2, 2, 2 * _bytes(model))
+    assert stats.peak_resident_bytes == _bytes(model)  # the ledger: the whole model while it runs
+    if dev is not None:
+        assert dev.max_memory_allocated() - base >= _bytes(model)  # it ran on the device, weights and all
+    saving = plan_summary(m)["saving"]
+    assert saving["device_weight_peak_bytes"] == _bytes(model) and saving["between_calls_bytes"] == 0
+    assert "held only while a call runs" in describe_plan(m) and "between calls 0 B" in str(stats)
+
+
+def _talker_with_visual():
+    """A stage model with a visual encoder and a language model (the seeds' stage 1 comment: offload visual,
+    keep language_model on GPU)."""
+    return thinker()
+
+
+def _talker():
+    torch.manual_seed(0)
+    from multistage import MLP
+    return MLP(20, 8, 96).eval(), (torch.randn(1, 4, 20),)
+
+
+@pytest.mark.parametrize("yaml_name, stage_id, build, streamed", [
+    ("seed_selective.yaml", 0, thinker, []),  # cpu_offload_enabled: false: nothing streams
+    ("seed_selective.yaml", 1, _talker_with_visual, ["visual"]),
+    ("seed_selective.yaml", 2, omni, ["talker", "thinker", "token2wav"]),  # a model holding its stages
+    ("seed_stage_config.yaml", 0, thinker, []),
+    ("seed_stage_config.yaml", 1, _talker_with_visual, ["visual"]),
+    ("seed_component_level.yaml", 0, omni, ["thinker.visual", "thinker.audio_tower"]),
+])
+@pytest.mark.parametrize("device", _devices())
+def test_every_stage_of_the_seed_yaml_examples_streams_as_configured(yaml_name, stage_id, build, streamed, device):
+    model, args = build()
+    with torch.no_grad():
+        expected = model(*args)
+    policy = _stage_policy(yaml_name, stage_id, device)
+    if policy.strategy != "none":
+        policy = policy.replace(keep_after_use=False)  # per-call traffic fixed: each call moves the plan's bytes
+    m = offload_compile(copy.deepcopy(model), policy)
+    args = tuple(a.to(device) for a in args)
+    from offload_compiler import reset_offload_stats
+    from offload_compiler.testing import assert_traffic_matches_plan
+    with torch.no_grad():
+        m(*args)
+        reset_offload_stats(m)
+        torch.testing.assert_close(m(*args).cpu(), expected, atol=0, rtol=0)
+    groups = {g.name: g.nbytes for g in m._offload_runtime.groups if g.streamed}
+    assert sorted(groups) == sorted(streamed)
+    stats = assert_traffic_matches_plan(m, resident_filled=not streamed)
+    assert stats.bytes_transferred == sum(groups.values())  # each component once per call
+    resident = sum(g.nbytes for g in m._offload_runtime.groups if not g.streamed)  # strategy none: every group
+    assert stats.peak_resident_bytes == resident + max(groups.values(), default=0)  # one component at a time
+    assert stats.unmanaged_bytes + stats.total_bytes == _bytes(model)
+
+
+@pytest.mark.parametrize("yaml_name", ["seed_selective.yaml", "seed_stage_config.yaml"])
+def test_a_seed_stage_naming_a_component_its_model_lacks_is_refused_naming_the_fix(yaml_name):
+    """Stage 1 names ``visual``; a talker stage model without one is refused before anything changes, with the
+    names it has and the two ways out (name those, or leave the components unset)."""
+    model, args = _talker()
+    expected = model(*args).detach()
+    with pytest.raises(ValueError, match=r"unknown component 'visual' in MLP.*top-level modules: \['a', 'b'\]. "
+                                         r"Name those .*cpu_offload_components.*or leave components unset"):
+        offload_compile(model, _stage_policy(yaml_name, 1, "cpu"))
+    assert type(model).__name__ == "MLP" and torch.equal(model(*args), expected)

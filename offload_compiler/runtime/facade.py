@@ -131,6 +131,8 @@ class OffloadRuntime:
         self.pool = self.transfers.pool
         self.ledger = self.transfers.ledger
         self.used_groups = self.transfers.used_groups
+        # a model that is its one component leaves the device after each call, its slots' memory too
+        self.gives_back_slots = any(g.whole_model for g in self.groups)
         # the transfer ops' entry points, bound once: an op reaches the engine with no call in between (the
         # hot path pays a Python frame per op per group for every layer of indirection)
         t = self.transfers
@@ -204,6 +206,8 @@ class OffloadRuntime:
 
     def end_call(self) -> None:
         self.transfers.group_remap = None
+        if self.gives_back_slots:
+            self.transfers.give_back_slots_after_call()
         if self.host.watched:  # a plain alias of host bytes lives (`HostStore.watch`): a write through it, which
             self.wait_for_copies()  # nothing intercepts, must not race this call's copies (carried ones too)
 
@@ -270,7 +274,8 @@ class OffloadRuntime:
                             self.on_demand.bytes, t.disk_bytes_read, self.host.disk_bytes, t.routed_bytes,
                             t.routed_fetches, t.expert_bytes,
                             sum(calls for _, _, calls in self.calls_by_plan()),
-                            held_pool_bytes(self), held_device_weight_bytes(self) if self.graph_plans else 0)
+                            held_pool_bytes(self), held_device_weight_bytes(self) if self.graph_plans else 0,
+                            self.gives_back_slots)
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""

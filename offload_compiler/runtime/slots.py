@@ -1,6 +1,7 @@
 """Device slots and the ledger: the fixed device memory streamed copies land in (`DeviceSlot`, grouped by size
 class in a `DevicePool`), and the exact live bytes of the copies held in it (`Ledger`). A slot allocates at its
-first fill and is reused for the runtime's life, so a call allocates no device memory.
+first fill and is reused for the runtime's life, so a call allocates no device memory -- except for a model
+that is its one component (`Group.whole_model`), whose slots are given back after each call.
 """
 
 from __future__ import annotations

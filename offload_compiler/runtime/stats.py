@@ -37,6 +37,9 @@ class OffloadStats:
     # weights outside the groups. ``peak_resident_bytes`` (the ledger) counts only slots while a copy fills them
     pool_bytes: int = 0  # of it, the device slots: the pool's and the routed fetches'
     device_weight_bytes: int = 0
+    # the model is its one component (`Group.whole_model`): its slots are held only while a call runs, so
+    # ``device_weight_bytes`` is held during a call and, between calls, only ``unmanaged_bytes``
+    slots_given_back: bool = False
 
     @property
     def expert_bytes_per_call(self) -> float:
@@ -65,8 +68,10 @@ class OffloadStats:
         carried += (f"; experts {size(self.expert_bytes_per_call)} per call" if self.expert_bytes else "")
         carried += (f"; {size(self.routed_bytes)} in {counted(self.routed_fetches, 'routed fetch', 'routed fetches')} "
                     f"(the rows indices named)" if self.routed_fetches else "")
+        held = (f"while a call runs (between calls {size(self.unmanaged_bytes)}: its device slots are given back "
+                f"after each call) " if self.slots_given_back else "")
         return (f"moved {size(self.bytes_transferred)} in {counted(self.fetch_count, 'fetch', 'fetches')}; "
-                f"device weights held {size(self.peak_device_weight_bytes)} of {size(total)} "
+                f"device weights held {size(self.peak_device_weight_bytes)} of {size(total)} {held}"
                 f"({size(self.pool_bytes)} of device slots; {size(self.resident_bytes)} resident, "
                 f"{size(self.streamed_bytes)} streamed{kept}); copies in flight at most "
                 f"{size(self.peak_resident_bytes)}{carried}")
@@ -90,7 +95,8 @@ def held_pool_bytes(runtime) -> int:
 def held_device_weight_bytes(runtime) -> int:
     """Device memory a runtime holds for weights once its compiled graphs ran: its slots (`held_pool_bytes`),
     the resident groups its graphs read (each copied once, kept) and the weights outside the groups. The
-    ledger's peak counts a slot only while a copy fills it; the memory is held whether or not it is filled."""
+    ledger's peak counts a slot only while a copy fills it; the memory is held whether or not it is filled --
+    but for a model that is its one component (``runtime.gives_back_slots``) only while a call runs."""
     resident = set().union(*(p.verified.resident_groups for p in runtime.graph_plans))
     return (held_pool_bytes(runtime) + sum(runtime.groups[g].nbytes for g in resident)
             + runtime.unmanaged_bytes)
@@ -108,8 +114,10 @@ def describe(runtime) -> str:
                 f"rank's)" if torch.distributed.is_available() and torch.distributed.is_initialized() else "")]
     for g in runtime.groups:
         residency = "streamed" if g.streamed else "resident" if g.nbytes else "empty (no bytes, never fetched)"
+        whole = ("  (the whole model, its one component: fetched for each call, its device memory given back "
+                 "after it)" if g.whole_model else "")
         lines.append(f"  group {g.index:3d} {g.name:<40s} {readable_bytes(g.nbytes):>13s}  "
-                     f"{residency}{' from disk' if g.on_disk else ''}{_subclass_note(g)}")
+                     f"{residency}{' from disk' if g.on_disk else ''}{_subclass_note(g)}{whole}")
     for i, plan in enumerate(runtime.graph_plans):
         v = plan.verified
         carried = f"; {readable_bytes(v.carried_bytes)} prefetched for its next call" if v.carried_bytes else ""

@@ -586,6 +586,14 @@ class TransferEngine:
         self._drop_free_slots()
         return freed
 
+    def give_back_slots_after_call(self) -> None:
+        """A call ended, and its model is one component (`Group.whole_model`): the device memory of its slots goes
+        back now, so the device holds none of its weights between calls (the next call allocates them again).
+        Not once a graph was captured: its replays keep writing the slots' addresses."""
+        capturing = self.streams is not None and self.streams.capturing()
+        if not capturing and not self.captured:
+            self._drop_free_slots()
+
     def _drop_free_slots(self) -> None:
         """The pool's memory goes too (its slots hold no copy between calls): the compute stream is ordered
         after the copy stream first, so the allocator's reuse of the memory on it comes after every copy."""

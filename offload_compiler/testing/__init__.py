@@ -177,8 +177,11 @@ def planned_traffic(offloaded: Any, resident_filled: bool = False) -> tuple[int,
     are allowed too (budget, auto), for calls after the one that first copied them to the device (they move
     once, not per call): only the streamed groups' fetches are counted."""
     runtime = state_of(offloaded).runtime
+    # keep_after_use parks only components that alternate (exclusive groups): a model that is its one component
+    # has none, and moves the same bytes every call
+    parks = runtime.policy.keep_after_use and any(g.exclusive for g in runtime.groups)
     if (any(not g.streamed for g in runtime.groups) and not resident_filled) or runtime.policy.prefetch_next_call or (
-            runtime.policy.strategy in ("alternating", "model") and runtime.policy.keep_after_use):
+            runtime.policy.strategy in ("alternating", "model") and parks):
         raise ValueError("planned_traffic counts per-call fetches: use a policy that streams every group (or pass "
                          "resident_filled=True after a first call), with keep_after_use=False and "
                          "prefetch_next_call=False")
