@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import warnings
-from typing import Iterable
+from typing import Any, Iterable
 
 from torch import nn
 
@@ -21,6 +21,19 @@ ENTRY_METHODS = ("encode", "decode", "get_text_features", "get_image_features")
 
 # the path of the model itself as its one component (``model.get_submodule("")`` is the model)
 WHOLE_MODEL = ""
+
+
+class PipelineModules(nn.Module):
+    """The nn.Module attributes of a pipeline object (diffusers-style), seen as one model."""
+
+    def __init__(self, pipeline: Any) -> None:
+        super().__init__()
+        found = {name: value for name, value in vars(pipeline).items() if isinstance(value, nn.Module)}
+        if not found:
+            raise TypeError(f"offload_compile takes an nn.Module or a pipeline whose components are nn.Module "
+                            f"attributes; {type(pipeline).__name__} has none")
+        for name, module in found.items():
+            self.add_module(name, module)
 
 
 def _holds_weights(module: nn.Module) -> bool:

@@ -537,8 +537,7 @@ def _component_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Wei
         paths = dits + encoders
     elif policy.strategy == "alternating" or (policy.strategy == "sequential" and (
             policy.components is not None or components.discover(model))):
-        from .offloaded.pipeline import PipelineModules  # (offloaded builds on this module)
-        paths = components.resolve(model, policy.components, whole=not isinstance(model, PipelineModules))
+        paths = components.resolve(model, policy.components, whole=not isinstance(model, components.PipelineModules))
     else:
         return None
     if paths == [components.WHOLE_MODEL]:

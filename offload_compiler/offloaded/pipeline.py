@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from ..backend import build_runtime
-from ..components import pipeline_streamed
+from ..components import PipelineModules, pipeline_streamed
 from ..grouping import blocks_attr_within, component_block_groups
 from ..planning.auto import OffloadPlan, planned_specs
 from ..policy import OffloadPolicy
@@ -15,17 +15,6 @@ from ..runtime import OffloadRuntime
 from ..storage import FilledBuckets
 
 
-class PipelineModules(nn.Module):
-    """The nn.Module attributes of a pipeline object (diffusers-style), seen as one model."""
-
-    def __init__(self, pipeline: Any) -> None:
-        super().__init__()
-        found = {name: value for name, value in vars(pipeline).items() if isinstance(value, nn.Module)}
-        if not found:
-            raise TypeError(f"offload_compile takes an nn.Module or a pipeline whose components are nn.Module "
-                            f"attributes; {type(pipeline).__name__} has none")
-        for name, module in found.items():
-            self.add_module(name, module)
 
 
 def pipeline_runtime(modules: nn.Module, policy: OffloadPolicy, name: str, plans: dict[str, OffloadPlan],
