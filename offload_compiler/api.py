@@ -58,17 +58,51 @@ def offload_compile(model: Any, policy: OffloadPolicy | None = None, *, checkpoi
                         f"({type(model).__name__}) that is pipe.to(device); offloading takes any other strategy")
     _refuse_inductor_without_code_for(policy)
     refuse_other_offloaders(model, policy)
-    filled = _load(model, policy, checkpoint) if checkpoint is not None else {}
+    if checkpoint is None:
+        _offload(model, policy, None)
+        return model
+    # loading is part of offloading's one transaction (README, "Reliability"): whatever fails after the
+    # checkpoint's tensors replaced the model's (packing, the disk tier's file, a refusal of the policy), the
+    # model gets back the very tensors it held -- on meta, or its own weights -- and the loaded ones are let go
+    held = _held_tensors(model)
+    filled: FilledBuckets = {}
+    try:
+        filled = _load(model, policy, checkpoint)
+        _offload(model, policy, filled)
+    except BaseException:
+        _give_back(held, filled)
+        raise
+    return model
+
+
+def _offload(model: Any, policy: OffloadPolicy, filled: FilledBuckets | None) -> None:
     if not isinstance(model, nn.Module):
         offload_pipeline(model, policy, filled)
-        return model
+        return
     state = offload_module(model, policy, filled)
     try:
         _check_saving(model, policy)
     except BaseException:  # a warning made an error (``-W error``): refused, and nothing changed
         state.detach()
         raise
-    return model
+
+
+def _held_tensors(model: Any) -> list[tuple[dict, str, Any]]:
+    """Every parameter and buffer slot of ``model`` (a pipeline: of its components) and the object in it."""
+    roots = [model] if isinstance(model, nn.Module) else list(PipelineModules(model).children())
+    modules = {id(m): m for root in roots for m in root.modules()}.values()
+    return [(table, name, tensor) for module in modules for table in (module._parameters, module._buffers)
+            for name, tensor in table.items()]
+
+
+def _give_back(held: list[tuple[dict, str, Any]], filled: FilledBuckets) -> None:
+    """The undo of a failed load-and-offload: each slot holds its tensor from before the call again (never changed:
+    loading made new ones), and the files the loaded buckets were in are closed now, not when collected."""
+    for table, name, tensor in held:
+        table[name] = tensor
+    for bucket in filled.values():
+        if bucket.file is not None:
+            bucket.file.close()
 
 
 def _refuse_inductor_without_code_for(policy: OffloadPolicy) -> None:

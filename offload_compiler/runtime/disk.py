@@ -112,6 +112,13 @@ class DiskSpace:
             self.fd = -1
             self._mapping = None  # closes with the last tensor viewing it
 
+    def abandon(self) -> None:
+        """Closed now where no region is open (a load that failed before, or after, handing them out)."""
+        if self.open == 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self._mapping = None
+
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
@@ -434,17 +441,24 @@ def read_bandwidth(folder: str, nbytes: int = 64 << 20) -> float:
     """Bytes per second reading a file of ``nbytes`` in ``folder`` with its pages dropped first, as a fill
     reads (median of 3; measured once per folder and process, for `strategy="auto"`)."""
     if folder not in _BANDWIDTH:
+        # written and read through one buffer of a read call's size, as `_read` reads a group: host memory
+        # grows by that, not by the file twice (a planned host budget can be smaller than the file)
+        chunk = min(READ_CHUNK, nbytes)
+        nbytes = nbytes // chunk * chunk
+        buffer = torch.ones(chunk // 4)
         file = DiskFile.new(folder, nbytes)
         try:
-            file.write(0, torch.ones(nbytes // 4))
+            for offset in range(0, nbytes, chunk):
+                file.write(offset, buffer)
             os.fsync(file.fd)
-            target = torch.empty(nbytes // 4)
             times = []
             for _ in range(3):
                 _drop_pages(file.fd, 0, nbytes)
                 start = time.perf_counter()
-                file.read_into(target)
+                for offset in range(0, nbytes, chunk):
+                    _read(file.fd, _memory(buffer), file.base + offset, file.path)
                 times.append(time.perf_counter() - start)
+                _drop_pages(file.fd, 0, nbytes)
         finally:
             file.close()
         _BANDWIDTH[folder] = nbytes / sorted(times)[1]

@@ -106,6 +106,8 @@ def _write_bucket(bucket: Bucket, members: list[Leaf], file: DiskFile) -> None:
             if tuple(value.stride()) != leaf.stride or value.device.type != "cpu":
                 value = torch.empty_strided(leaf.shape, leaf.stride, dtype=bucket.dtype).copy_(value)
             file.write(leaf.offset * itemsize, value)
+    # written: the pages of a mapped checkpoint the weights viewed can go now, as `pack_group`'s copies' do
+    release_mapped_pages([viewed(leaf.value) for leaf in members])
     flat = file.mapped(bucket.dtype, bucket.numel)
     for leaf in members:
         leaf.assign(leaf.host_view(flat))
