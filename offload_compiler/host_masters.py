@@ -32,7 +32,7 @@ from torch import nn
 
 from ._torch_private import inlined_only, op_schema, tree_map
 from .errors import OffloadRefusal
-from .storage import own_storage, viewed
+from .storage import own_storage, span, viewed
 
 aten = torch.ops.aten
 _DATA = torch.Tensor.data  # the ``.data`` descriptor: its setter reaches __torch_function__ as ``__set__``
@@ -299,8 +299,10 @@ def _handed_out(master: HostMaster, alias: Any, tracked: bool) -> Any:
 def _fakifiable(host: torch.Tensor) -> torch.Tensor:
     """Dynamo fakifies a subclass only where its inner tensor starts at its storage's first byte. A view made
     while a trace propagates fake tensors (a master's ``w[3]`` or ``w.split(...)`` in the traced code) has no
-    bytes to alias, and needs none: it is never fakified again."""
-    if not host.storage_offset():
+    bytes to alias, and needs none: it is never fakified again. A weight at the start of its packed group buffer
+    gets a storage of its own too, as every other weight of the group does: ``torch.save`` writes each storage
+    whole, so a state_dict tensor over the whole buffer would write the group twice."""
+    if not host.storage_offset() and span(host) * host.element_size() >= host.untyped_storage().nbytes():
         return host
     try:
         return own_storage(host)

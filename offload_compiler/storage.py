@@ -3,6 +3,7 @@ what a custom op's outputs need (they must not share storage)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -10,12 +11,18 @@ import torch
 
 def own_storage(value: torch.Tensor) -> torch.Tensor:
     """``value``'s bytes, shape and strides through a storage object of its own that begins at its first element.
-    The storage slice does not own its bytes, so the alias keeps the tensor it was cut from alive."""
+    The storage slice does not own its bytes, so the tensor it was cut from lives as long as the alias -- kept in
+    `_CUT_FROM`, not as an attribute of the alias: ``torch.save``, pickle and ``copy.deepcopy`` take a tensor's
+    attributes with it, and the tensor it was cut from is a whole group's buffer."""
     start = value.storage_offset() * value.element_size()
     storage = value.untyped_storage()[start:start + span(value) * value.element_size()]
     alias = torch.empty(0, dtype=value.dtype, device=value.device).set_(storage, 0, value.shape, value.stride())
-    alias._offload_base = value
+    _CUT_FROM[id(alias)] = value
+    weakref.finalize(alias, _CUT_FROM.pop, id(alias), None)
     return alias
+
+
+_CUT_FROM: dict[int, torch.Tensor] = {}  # an `own_storage` alias's id -> the tensor whose bytes it aliases
 
 
 def span(tensor: torch.Tensor) -> int:
@@ -28,7 +35,7 @@ def span(tensor: torch.Tensor) -> int:
 def viewed(value: torch.Tensor) -> torch.Tensor:
     """The tensor an `own_storage` alias was cut from (its storage is the one other tensors may share), else
     ``value`` itself."""
-    return getattr(value, "_offload_base", value)
+    return _CUT_FROM.get(id(value), value)
 
 
 class Filled(NamedTuple):

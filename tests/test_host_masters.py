@@ -81,6 +81,26 @@ def test_state_dict_is_plain_host_tensors_that_torch_save_and_safetensors_take(d
     assert buffer.tell() > 0
 
 
+def test_torch_save_and_deepcopy_of_weights_hold_the_weights_bytes_not_their_groups(device):
+    """A weight's host bytes are a slice of its group's packed buffer: ``torch.save`` of the state_dict writes the
+    model's bytes once (the plain model's file size), and a copy of one weight holds that weight, not its group."""
+    model, m, x = _offloaded(device)
+    files = []
+    for state in (model.state_dict(), m.state_dict()):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        files.append(buffer.getvalue())
+    assert len(files[1]) == len(files[0])
+    loaded = torch.load(io.BytesIO(files[1]))
+    assert sum(t.untyped_storage().nbytes() for t in loaded.values()) == sum(
+        t.numel() * t.element_size() for t in model.state_dict().values())
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded[key], value)
+    copied = copy.deepcopy(m.state_dict()["blocks.1.up.weight"])
+    assert copied.untyped_storage().nbytes() == model.blocks[1].up.weight.numel() * 4
+    torch.testing.assert_close(_run(m, x), _plain(model, x))  # the handed-out tensors changed nothing
+
+
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("change", ["load_state_dict", "data", "add_", "copy_"])
 def test_a_weight_changed_between_calls_is_what_the_next_call_reads(change, carry, device):
