@@ -117,6 +117,43 @@ def restore_unmanaged(model: nn.Module, keys: list[tuple] | None = None) -> None
     replace_tensors(model, {i: t for i, t in moved.items() if t is not None})
 
 
+def weights_added_later(model: nn.Module, runtimes: list[OffloadRuntime]) -> dict[tuple, torch.Tensor]:
+    """The parameters and buffers of ``model`` that none of ``runtimes`` took when offloading: added or replaced
+    since (a fused projection, an adapter, a new ``nn.Parameter``), by (module, table, name). Read before the
+    runtimes unpack, while their ids are those of the tensors in the model."""
+    known = {i for rt in runtimes for i in (*rt.group_of, *rt.unmanaged_ids)}
+    return {(module, table, name): tensor for module in model.modules()
+            for table in ("_parameters", "_buffers") for name, tensor in getattr(module, table).items()
+            if tensor is not None and id(tensor) not in known}
+
+
+def move_weights_added_later(model: nn.Module, added: dict[tuple, torch.Tensor], device: torch.device,
+                             units: list[nn.Module]) -> list[tuple[str, torch.device]]:
+    """At `remove_offload`: weights added after offloading that sit on the compute ``device`` -- computed there
+    from the fetched copies of offloaded weights, which are on that device (diffusers' ``fuse_qkv_projections``
+    builds its fused Linear there) -- go to where the other weights of their unit (the model, or one component
+    of a pipeline) are, where those are all on one other device: else the plain model would mix devices and
+    could not run, and changing it un-offloaded then offloading again, the fix the refusal names, would fail.
+    Returns their dotted names and where each went (for the warning)."""
+    moved: dict[int, torch.Tensor] = {}
+    names: list[tuple[str, torch.device]] = []
+    added_ids = {id(t) for t in added.values()}
+    for unit in units:
+        paths = {id(sub): path for path, sub in unit.named_modules(remove_duplicate=False)}
+        devices = {t.device for t in (*unit.parameters(), *unit.buffers()) if id(t) not in added_ids}
+        if len(devices) != 1 or device in devices:
+            continue
+        target = next(iter(devices))
+        for (module, table, name), tensor in added.items():
+            if id(module) not in paths or getattr(module, table).get(name) is not tensor or tensor.device != device:
+                continue
+            names.append((f"{paths[id(module)] + '.' if paths[id(module)] else ''}{name}", target))
+            if id(tensor) not in moved:
+                moved[id(tensor)] = _moved_to(tensor, target)
+    replace_tensors(model, {i: t for i, t in moved.items() if t is not None})
+    return names
+
+
 def build_runtime(model: nn.Module, policy: OffloadPolicy, pack_now: bool = True,
                   specs: list[GroupSpec] | None = None, name: str | None = None,
                   filled: FilledBuckets | None = None) -> OffloadRuntime:
@@ -339,15 +376,32 @@ def _refuse_float_region_inputs(gm: fx.GraphModule) -> None:
 
 
 def _refuse_parameters_added_later(gm: fx.GraphModule, example_inputs: list, rt: OffloadRuntime) -> None:
-    """A graph reading a parameter that offloading never saw (a block appended, a module or parameter replaced
-    after offloading): it would read that parameter wherever it is, un-offloaded, and silently."""
+    """A graph reading a parameter that offloading never saw (a block appended, a module or parameter replaced,
+    projections fused after offloading): it would read that parameter wherever it is, un-offloaded, and
+    silently. Refused at the capture, so the graph is never cached: once the change is undone, the next call
+    captures the model as it was and streams it."""
     new = [value for value in example_inputs if isinstance(value, nn.Parameter)
            and id(value) not in rt.group_of and id(value) not in rt.unmanaged_ids]
     if new:
         model = rt.model_ref() if rt.model_ref is not None else None
         names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)} if model else {}
-        new = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in new]
-        raise OffloadRefusal(_not_held(rt, ", ".join(new[:4]) + (" ..." if len(new) > 4 else "")))
+        what = ", ".join(names.get(id(p), f"a {tuple(p.shape)} parameter") for p in new[:4]) + \
+            (" ..." if len(new) > 4 else "")
+        if not any(id(p) in names for p in new):  # none is the model's: another instance of its class
+            raise OffloadRefusal(_not_held(rt, what))
+        on_device = sum(p.device == rt.device != torch.device("cpu") for p in new)
+        where = (f"; {on_device} of them on {rt.device}, the offloaded weights' device, where code building weights "
+                 f"from them puts them" if on_device else "")
+        raise OffloadRefusal(
+            f"{rt.model_name}'s offloaded graph was called with {what}, which offloading does not hold: weights "
+            f"added to the model after offloading (a module added or replaced, a new nn.Parameter assigned, "
+            f"projections fused from the offloaded weights, as diffusers' fuse_qkv_projections() does{where}). "
+            f"They would be read from wherever they are, un-offloaded. The offloaded model is otherwise unchanged: "
+            f"undo the change (remove what was added; fused projections: unfuse_qkv_projections()) and it runs offloaded again; or make "
+            f"such changes before offload_compile; to keep it, m = remove_offload(m) (it moves weights added on "
+            f"{rt.device} to where the model's weights are), change the model there if needed, then "
+            f"offload_compile(m, policy). To change weights in place, assign p.data = new_tensor or use "
+            f"load_state_dict")
 
 
 def _not_held(rt: OffloadRuntime, what: str) -> str:

@@ -1214,3 +1214,100 @@ def test_auto_planning_allocates_on_the_device_within_the_budget():
             cache.clear()
             cache.update(kept)
     torch.testing.assert_close(m(x.to(DEVICE)).cpu(), _plain(model, x))
+
+
+# -- weights built from the offloaded weights after offloading (fused projections) -----------------------
+
+class _Fusable(nn.Module):
+    """Two projections of one input, which ``fuse`` turns into one parameter built from their weights after
+    offloading (as diffusers' ``fuse_qkv_projections`` does); ``unfuse`` undoes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.fused = None
+
+    def fuse(self):
+        with torch.no_grad():
+            self.fused = nn.Parameter(torch.cat([self.q.weight, self.k.weight]))
+
+    def unfuse(self):
+        self.fused = None
+
+    def forward(self, x):
+        if self.fused is None:
+            h = self.q(x) * self.k(x)
+        else:
+            q, k = F.linear(x, self.fused).chunk(2, dim=-1)
+            h = (q + self.q.bias) * (k + self.k.bias)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def _fuse_refused_then_each_fix_works(model, call, fuse, unfuse, device, names):
+    """Offload ``model``, fuse it: the call is refused, saying what happened and the fixes; undoing the change runs
+    offloaded again (as planned); remove_offload gives a plain model that runs where the plain model ran, fused
+    outputs equal to the unfused ones; offloading that model again streams it as planned."""
+    policy = OffloadPolicy(strategy="layerwise", device=device, compiler="eager")
+    with torch.no_grad():
+        expected = call(copy.deepcopy(model), "cpu")
+        m = offload_compile(model, policy)
+        torch.testing.assert_close(call(m, device).cpu(), expected)
+        fuse(m)
+        with pytest.raises(OffloadRefusal, match=rf"{names}.*which offloading does not hold: weights added to the "
+                                                 r"model after offloading.*fuse_qkv_projections.*undo the change.*"
+                                                 r"unfuse_qkv_projections\(\).*runs offloaded again.*before "
+                                                 r"offload_compile.*remove_offload\(m\).*offload_compile\(m, policy\)"):
+            call(m, device)
+        unfuse(m)
+        reset_offload_stats(m)
+        torch.testing.assert_close(call(m, device).cpu(), expected)
+        assert_traffic_matches_plan(m)
+        fuse(m)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plain = remove_offload(m)
+        moved = [w for w in caught if "added after offloading" in str(w.message)]
+        if torch.device(device).type != "cpu":
+            assert len(moved) == 1 and f"were on {device}" in str(moved[0].message) and "moved to cpu" in str(
+                moved[0].message), [str(w.message) for w in caught]
+        else:
+            assert not moved  # nothing left the model's device
+        assert {t.device.type for t in (*plain.parameters(), *plain.buffers())} == {"cpu"}
+        torch.testing.assert_close(call(plain, "cpu"), expected)  # the fused plain model, where it ran before
+        again = offload_compile(plain, policy)
+        call(again, device)
+        reset_offload_stats(again)
+        torch.testing.assert_close(call(again, device).cpu(), expected)
+        assert_traffic_matches_plan(again)
+
+
+@pytest.mark.parametrize("device", ["cpu", DEVICE])
+def test_a_parameter_built_from_offloaded_weights_after_offloading_is_refused_and_each_fix_works(device):
+    """Before the fix: the refusal named only remove_offload, after which the new parameter, built on the compute
+    device from the weights fetched on demand, stayed there, and the plain model could not run."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    _fuse_refused_then_each_fix_works(_Fusable(), lambda m, dev: m(x.to(dev)), _Fusable.fuse, _Fusable.unfuse,
+                                      device, r"fused")
+
+
+@pytest.mark.slow  # a tiny diffusers UNet captured four times
+@pytest.mark.parametrize("device", ["cpu", DEVICE])
+def test_diffusers_fused_qkv_projections_after_offloading_are_refused_and_each_fix_works(device):
+    D = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = D.UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16),
+                                  layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+                                  attention_head_dim=2, norm_num_groups=4).eval()
+    inputs = dict(sample=torch.randn(1, 4, 8, 8), timestep=torch.tensor([3]),
+                  encoder_hidden_states=torch.randn(1, 6, 16), return_dict=False)
+
+    def call(m, dev):
+        return m(**{k: v.to(dev) if torch.is_tensor(v) else v for k, v in inputs.items()})[0]
+
+    _fuse_refused_then_each_fix_works(unet, call, lambda m: m.fuse_qkv_projections(),
+                                      lambda m: m.unfuse_qkv_projections(), device, r"attn1\.to_qkv\.weight")

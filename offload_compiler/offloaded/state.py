@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator
 from torch import nn
 
 from .._torch_private import capture_config, compiled_module_of
-from ..backend import OFFLOAD_ENDED, build_runtime, restore_unmanaged
+from ..backend import OFFLOAD_ENDED, build_runtime, move_weights_added_later, restore_unmanaged, weights_added_later
+from ..components import PipelineModules
 from ..errors import OffloadRefusal
 from ..planning.auto import OffloadPlan, planned_runtime
 from ..policy import OffloadPolicy
@@ -156,6 +157,9 @@ class OffloadState:
         """Undo offloading: weights get their own storage (and layout) back, classes, forwards and hook dicts are
         restored, device copies dropped. Every handle to the old offload then refuses to run."""
         with self.lock:
+            runtimes = [rt for rt in (self.runtime, self.traced_runtime) if rt is not None]
+            added = weights_added_later(self.modules, runtimes) if self.runtime is not None \
+                and self.modules is not None else {}
             if self.runtime is not None:
                 self.runtime.unpack()
             for (module, method), forward in self.forwards.items():
@@ -169,9 +173,24 @@ class OffloadState:
                 module.__dict__.pop(STATE_ATTR, None)
             if self.modules is not None:  # the weights moved to the compute device go back where they were
                 restore_unmanaged(self.modules)
+            if added:
+                self._move_weights_added_later(added)
             self.owner.__dict__.pop(STATE_ATTR, None)
             self.phase = Phase.DETACHED
             return self.owner
+
+    def _move_weights_added_later(self, added: dict) -> None:
+        """See `move_weights_added_later`; said in a warning, since the model now differs from what was offloaded."""
+        units = list(self.modules.children()) if isinstance(self.modules, PipelineModules) else [self.modules]
+        moved = move_weights_added_later(self.modules, added, self.runtime.device, units)
+        if moved:
+            to = sorted({str(target) for _, target in moved})
+            names = [name for name, _ in moved]
+            warnings.warn(f"remove_offload({self.name}): {len(names)} weight(s) added after offloading were on "
+                          f"{self.runtime.device}, the offloaded weights' device, where code building weights from "
+                          f"them puts them (fused projections: diffusers' fuse_qkv_projections()): moved to {', '.join(to)}, where the "
+                          f"model's other weights are, so that the plain model runs: "
+                          f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}", stacklevel=user_stacklevel())
 
     def check_usable(self) -> None:
         if self.phase is Phase.DETACHED:
