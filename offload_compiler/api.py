@@ -178,13 +178,13 @@ def register_offload_method(model: Any, name: str) -> None:
 
 
 def _check_saving(model: nn.Module, policy: OffloadPolicy) -> None:
-    """Warn, before the first call, where the groups make layerwise, budget, alternating or model save little
-    (`saving_warning`)."""
+    """Warn, before the first call, where the groups make layerwise, budget, sequential, alternating or model save
+    little (`saving_warning`). ``none`` keeps everything by design; ``auto`` plans at its first call."""
     runtime = state_of(model).runtime
-    if runtime is None or policy.strategy not in (*BLOCK_STRATEGIES, *COMPONENT_STRATEGIES):  # auto plans later
+    if runtime is None or policy.strategy not in (*BLOCK_STRATEGIES, *COMPONENT_STRATEGIES, "sequential"):
         return
     stacks = block_paths(model, policy) if policy.strategy in BLOCK_STRATEGIES else ()  # components: no stacks
-    message = saving_warning(model, runtime.groups, policy, stacks, runtime.unmanaged_bytes)
+    message = saving_warning(model, runtime.groups, policy, stacks, runtime.unmanaged_bytes, runtime.unmanaged_ids)
     if message is not None:
         warn_user(message, OffloadSavingWarning)
 

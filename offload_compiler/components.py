@@ -11,6 +11,12 @@ from torch import nn
 
 STAGES = ("thinker", "talker", "code2wav", "token2wav")
 SUB_COMPONENTS = ("visual", "audio_tower", "language_model")
+# the vision towers and projectors of vision-language models, found where a ``language_model`` is beside them
+# (transformers 5: LLaVA, PaliGemma, Gemma 3, Mllama, InternVL, Mistral 3, Qwen2-Audio, Voxtral, BLIP-2, Janus,
+# DeepSeek-VL). Found only there: alone the names are generic, and CLIP's ``vision_model`` is most of CLIPModel and
+# all of CLIPVisionModel, which stream module by module where no component is found
+VISION_PARTS = ("vision_tower", "vision_model", "multi_modal_projector", "qformer", "language_projection", "aligner")
+LANGUAGE_MODEL = "language_model"
 # the denoisers of diffusers pipelines (DiT or UNet, Wuerstchen/Kandinsky's prior) and of omni DiT stages
 DIT_MODULES = ("transformer", "transformer_2", "unet", "unet_2", "prior", "dit", "language_model", "transformer_blocks")
 ENCODER_MODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
@@ -52,11 +58,23 @@ def module_paths(model: nn.Module) -> list[str]:
     return [path for path, module in model.named_modules() if path and _holds_weights(module)]
 
 
-def discover(model: nn.Module, names: Iterable[str] = STAGES + SUB_COMPONENTS) -> list[str]:
-    """Paths of known components, outermost first (``thinker`` hides ``thinker.visual`` until it is named)."""
-    wanted = set(names)
-    found = [p for p in module_paths(model) if p.rsplit(".", 1)[-1] in wanted]
+def discover(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:
+    """Paths of known components, outermost first (``thinker`` hides ``thinker.visual`` until it is named); with
+    the default names, also the `VISION_PARTS` beside a ``language_model`` (LLaVA's ``model.vision_tower``)."""
+    wanted = set(STAGES + SUB_COMPONENTS if names is None else names)
+    paths = module_paths(model)
+    found = [p for p in paths if p.rsplit(".", 1)[-1] in wanted]
+    if names is None:
+        beside = {_parent(p) for p in paths if p.rsplit(".", 1)[-1] == LANGUAGE_MODEL}
+        found += [p for p in paths if p.rsplit(".", 1)[-1] in VISION_PARTS and _parent(p) in beside]
     return _outermost(found)
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+KNOWN_COMPONENTS = STAGES + SUB_COMPONENTS + VISION_PARTS
 
 
 def _matches(path: str, name: str) -> bool:
@@ -78,7 +96,7 @@ def resolve(model: nn.Module, names: Iterable[str] | None, whole: bool = True) -
             return found
         if whole:
             return [WHOLE_MODEL]
-        raise ValueError(f"{type(model).__name__} has none of the known components {list(STAGES + SUB_COMPONENTS)}; "
+        raise ValueError(f"{type(model).__name__} has none of the known components {list(KNOWN_COMPONENTS)}; "
                          f"name them with components=[...]; its modules are {_top(model)}")
     chosen: list[str] = []
     for name in names:

@@ -10,10 +10,11 @@ from typing import Iterable
 
 from torch import nn
 
-from .grouping import BUDGET_SLACK, MODEL_STACKS, ROOT, discover_stacks, join_path, registered_submodule
+from .grouping import (BUDGET_SLACK, MODEL_STACKS, ROOT, block_paths, discover_stacks, join_path, plan_groups,
+                       registered_submodule)
 from .passes.schedule import Use, build_schedule
 from .passes.slots import class_bytes, schedule_pool_bytes, slot_kind
-from .policy import COMPONENT_STRATEGIES, OffloadPolicy
+from .policy import COMPONENT_STRATEGIES, OffloadPolicy, spelled
 from .runtime.layout import layout_group
 from .runtime.slots import size_class
 
@@ -79,13 +80,15 @@ def _mib(nbytes: int) -> str:
 
 
 def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, stacks: tuple[str, ...] = (),
-                   unmanaged_bytes: int = 0) -> str | None:
+                   unmanaged_bytes: int = 0, kept_ids: set[int] | None = None) -> str | None:
     """Why the block plan of ``model`` saves little, naming its largest group and the fix; None where it saves
     what was asked. Layerwise: its estimated peak (`peak_estimate`) is above half the model. Budget: it streams
     more than ``offload_gb`` by over a quarter (its groups are too coarse to stop near the budget), or it saves
     under half of ``offload_gb`` (`_budget_window_warning`: the prefetch window holds what it streams), or both
-    (one warning saying both). ``stacks``
-    are the block stacks in use (`block_paths`), which a suggested ``blocks_attr`` keeps."""
+    (one warning saying both). Sequential: as layerwise, its estimated peak above half the model
+    (`_sequential_warning`). ``stacks``
+    are the block stacks in use (`block_paths`), which a suggested ``blocks_attr`` keeps; ``kept_ids`` the ids of
+    the tensors outside the groups (``unmanaged_bytes`` of them), which a sequential warning names the modules of."""
     groups = list(groups)
     total = sum(g.nbytes for g in groups) + unmanaged_bytes
     streamed = [g for g in groups if g.streamed]
@@ -107,6 +110,8 @@ def saving_warning(model: nn.Module, groups: Iterable, policy: OffloadPolicy, st
                    f"asked for {_mib(policy.offload_bytes)}")
     elif policy.strategy in COMPONENT_STRATEGIES:
         return _component_pool_warning(name, groups, policy, unmanaged_bytes)
+    elif policy.strategy == "sequential":
+        return _sequential_warning(model, groups, policy, unmanaged_bytes, kept_ids or set())
     else:
         return None
     largest = max(streamed, key=lambda g: g.nbytes)
@@ -202,3 +207,69 @@ def _component_pool_warning(name: str, groups: list, policy: OffloadPolicy, unma
             f"their own, on the device together ({others}). Fix: give the components the same dtypes; where "
             f"what differs is a buffer (int64 position ids), offload_buffers=False keeps buffers on the device; "
             f"or strategy='layerwise' streams their blocks one at a time.")
+
+
+def _sequential_warning(model: nn.Module, groups: list, policy: OffloadPolicy, unmanaged_bytes: int,
+                        kept_ids: set[int]) -> str | None:
+    """Why sequential saves little, naming what holds the device: its estimated peak (`peak_estimate`: the group
+    computing and the ``prefetch`` fetched ahead, with the weights outside the groups, which stay on the device)
+    above half the model; None where it is not. Its groups are components where some are named or found (a
+    vision-language model's tower, projector and language model: the language model one group, most of the
+    model), so the fix streams the blocks instead (strategy='layerwise', its own estimate said) and, where the
+    weights no component covers are much of the model, names them as components too."""
+    total = sum(g.nbytes for g in groups) + unmanaged_bytes
+    peak = peak_estimate(groups, policy.prefetch, policy.prefetch_next_call) + unmanaged_bytes
+    if peak <= HALF_THE_MODEL * total:
+        return None
+    name = type(model).__name__
+    streamed = [g for g in groups if g.streamed]
+    largest = max(streamed, key=lambda g: g.nbytes)
+    kept_paths = _kept_modules(model, kept_ids, policy)
+    kept = (f"; {_mib(unmanaged_bytes)} ({unmanaged_bytes / total:.0%}) is outside its groups and stays on the "
+            f"device ({_listed(kept_paths)})" if unmanaged_bytes else "")
+    text = (f"sequential keeps up to {peak / total:.0%} of {name}'s weights on the device at once ({_mib(peak)} of "
+            f"{_mib(total)} with prefetch={policy.prefetch}): its largest streamed group, {largest.name!r}, holds "
+            f"{largest.nbytes / total:.0%} of the model{kept}.")
+    fixes = []
+    layerwise = _layerwise_share(model, policy)
+    if layerwise is not None and layerwise < peak / total:
+        fixes.append(f"strategy='layerwise' streams its blocks one at a time (estimated peak {layerwise:.0%} of "
+                     f"the model): {spelled(policy, strategy='layerwise', components=None)}")
+    if kept_paths and unmanaged_bytes > largest.nbytes:
+        names = [g.name for g in streamed] + kept_paths
+        fixes.append(f"components={names!r} streams the weights outside its groups too")
+    if not fixes:
+        fixes.append(f"{largest.name!r} is one group: name its parts with components=[...] (names, dotted paths "
+                     f"or globs: '{largest.name}.*' is each of its children)")
+    return f"{text} Fix: {'; or '.join(fixes)}."
+
+
+def _listed(paths: list[str], shown: int = 6) -> str:
+    more = f", and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(repr(p) for p in paths[:shown]) + more
+
+
+def _kept_modules(model: nn.Module, kept_ids: set[int], policy: OffloadPolicy) -> list[str]:
+    """The outermost modules holding the weights outside the groups (``kept_ids``: the rest of a model beside its
+    components), but the buffers offload_buffers=False keeps on purpose and the root's own (no module to name)."""
+    named = [*model.named_parameters(), *(() if not policy.offload_buffers else model.named_buffers())]
+    owners = [n.rsplit(".", 1)[0] for n, t in named if "." in n and id(t) in kept_ids]
+    kept: list[str] = []
+    for path in sorted(set(owners), key=lambda p: (p.count("."), p)):
+        if not any(path.startswith(k + ".") for k in kept):
+            kept.append(path)
+    return kept
+
+
+def _layerwise_share(model: nn.Module, policy: OffloadPolicy) -> float | None:
+    """The estimated device weight peak of ``strategy='layerwise'`` on ``model``, a share of the model; None where
+    it has no blocks to stream."""
+    layerwise = policy.replace(strategy="layerwise", components=None)
+    try:
+        if not block_paths(model, layerwise):
+            return None
+        groups = plan_groups(model, layerwise)
+    except (ValueError, TypeError):  # no stack of blocks it can stream
+        return None
+    total = sum(g.nbytes for g in groups)
+    return peak_estimate(groups, layerwise.prefetch, layerwise.prefetch_next_call) / total if total else None

@@ -351,3 +351,121 @@ def test_a_seed_stage_naming_a_component_its_model_lacks_is_refused_naming_the_f
                                          r"Name those .*cpu_offload_components.*or leave components unset"):
         offload_compile(model, _stage_policy(yaml_name, 1, "cpu"))
     assert type(model).__name__ == "MLP" and torch.equal(model(*args), expected)
+
+
+# -- vision-language models under sequential: the tower and projector stream, and a plan saving little says so --
+
+def _llava(vision_layers=3, vision_hidden=32):
+    import transformers as T
+    torch.manual_seed(0)
+    text = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    vision = T.CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                                num_hidden_layers=vision_layers, num_attention_heads=2, image_size=16, patch_size=4)
+    cfg = T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=5, vision_feature_layer=-2,
+                        image_seq_length=16)
+    model = T.LlavaForConditionalGeneration(cfg).eval()
+    ids = torch.randint(10, 128, (1, 24))
+    ids[0, 2:18] = 5
+    return model, dict(input_ids=ids, pixel_values=torch.randn(1, 3, 16, 16), use_cache=False)
+
+
+def _paligemma():
+    import transformers as T
+    torch.manual_seed(0)
+    text = T.GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    vision = T.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                                  image_size=16, patch_size=4, projection_dim=64)
+    cfg = T.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=5, projection_dim=64)
+    cfg.text_config.num_image_tokens = 16
+    model = T.PaliGemmaForConditionalGeneration(cfg).eval()
+    ids = torch.randint(10, 128, (1, 24))
+    ids[0, :16] = 5
+    return model, dict(input_ids=ids, pixel_values=torch.randn(1, 3, 16, 16), use_cache=False)
+
+
+def _to(inputs, device):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def test_the_vision_parts_of_vision_language_models_are_components_and_clip_has_none():
+    import transformers as T
+    from offload_compiler.components import discover
+    cases = {
+        T.LlavaForConditionalGeneration: ["model.vision_tower", "model.language_model", "model.multi_modal_projector"],
+        T.PaliGemmaForConditionalGeneration: ["model.vision_tower", "model.language_model",
+                                              "model.multi_modal_projector"],
+        T.Gemma3ForConditionalGeneration: ["model.vision_tower", "model.language_model", "model.multi_modal_projector"],
+        T.MllamaForConditionalGeneration: ["model.vision_model", "model.language_model", "model.multi_modal_projector"],
+        T.Qwen2VLForConditionalGeneration: ["model.visual", "model.language_model"],
+        T.Qwen2_5_VLForConditionalGeneration: ["model.visual", "model.language_model"],
+        # no language_model beside its vision_model: CLIP's names are a dual encoder's, streamed module by module
+        T.Idefics3ForConditionalGeneration: [],
+        T.CLIPModel: [],
+        T.CLIPVisionModel: [],
+    }
+    for cls, expected in cases.items():
+        with torch.device("meta"):
+            model = cls(cls.config_class())
+        assert sorted(discover(model)) == sorted(expected), cls.__name__
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("build, streamed", [
+    (lambda: _llava(vision_layers=4, vision_hidden=64), ["model.vision_tower", "model.multi_modal_projector"]),
+    ], ids=["llava"])
+def test_sequential_streams_the_vision_tower_and_projector_of_a_vision_language_model(build, streamed, device):
+    """Each component one at a time (prefetch=0; offload_buffers=False keeps the int64 position ids on the device,
+    so the components share one device slot): the device holds the largest (about half the model) and what no
+    component covers, not the tower and projector kept there as weights outside every group."""
+    import warnings
+    from offload_compiler import OffloadSavingWarning, plan_summary, reset_offload_stats
+    from offload_compiler.testing import assert_traffic_matches_plan
+    model, inputs = build()
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    with warnings.catch_warnings():  # about half the model: at the warning's bound
+        warnings.simplefilter("ignore", OffloadSavingWarning)
+        m = offload_compile(model, OffloadPolicy(strategy="sequential", prefetch=0, offload_buffers=False,
+                                                device=device))
+    groups = {g.name: g.streamed for g in m._offload_runtime.groups}
+    assert all(groups.get(name) for name in streamed + ["model.language_model"]), groups
+    with torch.no_grad():
+        m(**_to(inputs, device))
+        reset_offload_stats(m)
+        out = m(**_to(inputs, device)).logits
+    torch.testing.assert_close(out.cpu(), expected)  # the graphs may fuse differently: float rounding
+    assert_traffic_matches_plan(m)
+    assert plan_summary(m)["saving"]["share_of_model"] < 0.6  # the old plan, the tower kept: above 100%
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_sequential_saving_little_on_a_vision_language_model_warns_naming_layerwise_which_saves(device):
+    """The language model is one component, most of the model: sequential keeps nearly all of it on the device
+    (with prefetch=1 the tower beside it, and the lm_head no component covers). The warning says so, naming the
+    group and the kept module, and the fix it names saves."""
+    from offload_compiler import OffloadSavingWarning, plan_summary
+    from offload_compiler.testing import assert_traffic_matches_plan
+    model, inputs = _llava()
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    with pytest.warns(OffloadSavingWarning, match=r"(?s)sequential keeps up to (9\d|100)% .*'model.language_model', "
+                                                  r"holds 79% .*outside its groups .*'lm_head'.* Fix: "
+                                                  r"strategy='layerwise' .*OffloadPolicy\(strategy='layerwise'"):
+        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="sequential", device=device))
+    with torch.no_grad():
+        m(**_to(inputs, device))
+    assert plan_summary(m)["saving"]["share_of_model"] > 0.9
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadSavingWarning)
+        fixed = offload_compile(model, OffloadPolicy(strategy="layerwise", device=device))
+    with torch.no_grad():
+        fixed(**_to(inputs, device))
+        from offload_compiler import reset_offload_stats
+        reset_offload_stats(fixed)
+        out = fixed(**_to(inputs, device)).logits
+    torch.testing.assert_close(out.cpu(), expected)  # the graphs may fuse differently: float rounding
+    assert_traffic_matches_plan(fixed)
+    assert plan_summary(fixed)["saving"]["share_of_model"] < 0.5

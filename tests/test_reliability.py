@@ -458,7 +458,7 @@ def test_copy_pickle_and_backward_are_refused_with_the_alternative():
     import pickle
     model, x, expected, snapshot = _model()
     m = offload_compile(model, strategy="layerwise", **CPU)
-    with pytest.raises(TypeError, match="copy the model first and offload the copy"):
+    with pytest.raises(TypeError, match="while m stays offloaded"):
         copy.deepcopy(m)
     with pytest.raises(TypeError, match="state_dict"):
         pickle.dumps(m)
@@ -532,3 +532,20 @@ def test_a_failure_while_building_the_runtime_leaves_the_model_as_it_was(device,
     assert offload_stats(model).bytes_transferred > 0
     remove_offload(model)
     _assert_whole(model, snapshot, x, expected)
+
+
+def test_a_conversion_of_a_part_names_the_offloaded_model_and_the_part_path_and_a_copy_names_its_side_effect():
+    import copy
+    from offload_compiler import OffloadRefusal
+    model, x, expected, snapshot = _model()
+    m = offload_compile(model, strategy="sequential", **CPU)
+    path, part = next((p, mod) for p, mod in m.named_modules() if p and any(True for _ in mod.parameters()))
+    with pytest.raises(OffloadRefusal, match=rf"m\.{path}, a {type(part).__name__} in the offloaded "
+                                             rf"{type(m).__name__} m.*m being the offloaded {type(m).__name__}: "
+                                             rf"offload_compile\(remove_offload\(m\)\.to\(dtype\), policy\)"):
+        part.half()
+    with pytest.raises(TypeError, match=r"(?s)while m stays offloaded: .*load_state_dict\(m\.state_dict\(\)\).*"
+                                        r"remove_offload\(m\) makes m the plain model again"):
+        copy.deepcopy(m)
+    assert torch.equal(m(x), expected)
+    _assert_whole(model, snapshot)

@@ -251,6 +251,9 @@ class RoutedPart(KeptWeights):
     def _compute_device(self) -> torch.device:
         return self.__dict__[PART_OF].policy.torch_device
 
+    def _offload_state(self) -> Any:
+        return self.__dict__.get(PART_OF)
+
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """A copy of a part (``copy.deepcopy(m.model.layers[0])``) is a plain module of its own class, its weights
         plain tensors in host memory holding copies of their values (ties within the copy kept)."""

@@ -59,9 +59,27 @@ class KeptWeights(nn.Module):
         if all(_unchanged_by(fn, t) for t in tensors):
             return self
         raise OffloadRefusal(f"changing the dtype, device, layout or storage of an offloaded module's weights "
-                             f"({type(self).__name__}: .half(), .to(dtype), .to(memory_format=...), .to_empty(), ...) "
-                             f"would detach them from their host buffers; nothing was changed. Convert first: "
+                             f"({self._offload_where()}: .half(), .to(dtype), .to(memory_format=...), .to_empty(), "
+                             f"...) would detach them from their host buffers; nothing was changed. Convert the whole "
+                             f"model first, m being the offloaded {self._offload_root_name()}: "
                              f"offload_compile(remove_offload(m).to(dtype), policy)")
+
+    def _offload_state(self) -> Any:
+        """The offload state of the model this module is, or is a part of (None where it is neither)."""
+        return None
+
+    def _offload_root_name(self) -> str:
+        state = self._offload_state()
+        return state.name if state is not None else "model"
+
+    def _offload_where(self) -> str:
+        """This module as its refusals name it: the model itself, or a part at its path in the model (``m.model.
+        layers.0.mlp, a GraniteMLP``), since the fix converts the model and not the part."""
+        state = self._offload_state()
+        path = state.path_of(self) if state is not None else ""
+        if not path:
+            return f"m, the offloaded {type(self).__name__}"
+        return f"m.{path}, a {type(self).__name__} in the offloaded {state.name} m"
 
     def share_memory(self) -> "KeptWeights":
         # share_memory() readies a model to be sent to other processes, which an offloaded model cannot be (it

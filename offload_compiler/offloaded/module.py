@@ -41,6 +41,9 @@ class OffloadedModule(KeptWeights):
     def _compute_device(self) -> torch.device:
         return self.device
 
+    def _offload_state(self) -> Any:
+        return self._offload
+
     def plan(self, *args: Any, **kwargs: Any) -> OffloadPlan:
         """``strategy="auto"``: plan for these inputs now (nothing runs); later calls use that plan."""
         state = self._offload
@@ -52,9 +55,13 @@ class OffloadedModule(KeptWeights):
             return plan_now(state, args, kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise TypeError("an offloaded module cannot be copied (its weights live in shared host buffers): copy the "
-                        "model first and offload the copy, offload_compile(copy.deepcopy(remove_offload(m)), policy), "
-                        "or save m.state_dict()")
+        name = type(self).__name__
+        raise TypeError(f"an offloaded module cannot be copied (its weights live in shared host buffers). To copy "
+                        f"it while m stays offloaded: build a new {name} and copy the weights in, "
+                        f"copy_.load_state_dict(m.state_dict()), then offload_compile(copy_, policy). Or un-offload "
+                        f"m first, knowing that remove_offload(m) makes m the plain model again: "
+                        f"plain = remove_offload(m); copy_ = copy.deepcopy(plain); then offload_compile(plain, "
+                        f"policy) offloads it again")
 
     def __reduce_ex__(self, protocol: int) -> Any:
         raise TypeError("an offloaded module cannot be pickled or torch.save()d: save m.state_dict() (the original "
