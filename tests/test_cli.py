@@ -86,9 +86,17 @@ def test_no_pinning_note_when_pin_memory_is_off(capsys):
 
 def test_component_error_names_the_command_line_flag():
     with pytest.raises(SystemExit) as exit_:
-        main(PLAN_LLAMA + ["--cpu-offload-enabled"])
+        main(PLAN_LLAMA + ["--cpu-offload-enabled", "--cpu-offload-components", "vision"])
     message = str(exit_.value.code)
     assert "--cpu-offload-components" in message and "components=[...]" not in message
+
+
+def test_cpu_offload_enabled_without_components_plans_the_whole_model_as_its_one_component(capsys):
+    """A model with none of the known component names (a stage model loaded on its own): the whole model is the
+    one component, on the device only while a call runs."""
+    assert main(PLAN_LLAMA + ["--cpu-offload-enabled"]) == 0
+    out = capsys.readouterr().out
+    assert "the whole model, its one component" in out and out.count("streamed") >= 1
 
 
 @pytest.mark.slow

@@ -251,7 +251,7 @@ class RoutedPart(KeptWeights):
     def _compute_device(self) -> torch.device:
         return self.__dict__[PART_OF].policy.torch_device
 
-    def _offload_state(self) -> Any:
+    def _owning_offload(self) -> Any:
         return self.__dict__.get(PART_OF)
 
     def __deepcopy__(self, memo: dict) -> nn.Module:

@@ -64,18 +64,18 @@ class KeptWeights(nn.Module):
                              f"model first, m being the offloaded {self._offload_root_name()}: "
                              f"offload_compile(remove_offload(m).to(dtype), policy)")
 
-    def _offload_state(self) -> Any:
+    def _owning_offload(self) -> Any:
         """The offload state of the model this module is, or is a part of (None where it is neither)."""
         return None
 
     def _offload_root_name(self) -> str:
-        state = self._offload_state()
+        state = self._owning_offload()
         return state.name if state is not None else "model"
 
     def _offload_where(self) -> str:
         """This module as its refusals name it: the model itself, or a part at its path in the model (``m.model.
         layers.0.mlp, a GraniteMLP``), since the fix converts the model and not the part."""
-        state = self._offload_state()
+        state = self._owning_offload()
         path = state.path_of(self) if state is not None else ""
         if not path:
             return f"m, the offloaded {type(self).__name__}"

@@ -41,7 +41,7 @@ class OffloadedModule(KeptWeights):
     def _compute_device(self) -> torch.device:
         return self.device
 
-    def _offload_state(self) -> Any:
+    def _owning_offload(self) -> Any:
         return self._offload
 
     def plan(self, *args: Any, **kwargs: Any) -> OffloadPlan:
