@@ -40,6 +40,9 @@ class GroupSpec:
     # is never kept after its forward, and its device slot is given back after each call (`OffloadRuntime.end_call`)
     whole_model: bool = False
     experts: bool = False  # a block's fused expert weights (`split_experts`): a graph may fetch only those routed
+    # the blocks calling it, where it is a module several blocks share (`shared_modules`): fetched at each one's
+    # call (`savings.peak_estimate` counts its copies)
+    users: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -244,11 +247,63 @@ class Block:
     attention)."""
     path: str
     stack: str | None
+    users: tuple[str, ...] = ()  # the blocks reaching it, where it is a module several share (`shared_modules`)
 
 
 def _blocks_in(model: nn.Module, stacks: Iterable[str]) -> list[Block]:
     return [Block(join_path(stack, name), stack) for stack in stacks
             for name, child in _resolve(model, stack).named_children() if _holds_weights(child)]
+
+
+def _enclosing(path: str, blocks: set[str]) -> str | None:
+    """The innermost of the block paths ``blocks`` that is ``path`` or holds it."""
+    parts = path.split(".")
+    for depth in range(len(parts), 0, -1):
+        if (prefix := ".".join(parts[:depth])) in blocks:
+            return prefix
+    return None
+
+
+def _reached_by(model: nn.Module, blocks: set[str]) -> dict[int, set[str]]:
+    """Each weight (by id) -> the blocks of ``blocks`` holding one of its names (a tied weight has several)."""
+    reached: dict[int, set[str]] = {}
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        for name, tensor in named:
+            if tensor is not None and (block := _enclosing(_owner(name), blocks)) is not None:
+                reached.setdefault(id(tensor), set()).add(block)
+    return reached
+
+
+def shared_modules(model: nn.Module, blocks: list[Block]) -> dict[str, tuple[str, ...]]:
+    """Modules whose every weight two or more of ``blocks`` reach, outermost only: each one's path -> how many
+    blocks reaching its weights. One module object under several block paths, or modules whose weights are all
+    tied (Zamba2's shared attention block, reached from each of its hybrid layers). Its weights are named by
+    their first path (`collect_weights`), so left to the blocks they would sit in the first block reaching them,
+    and every later block calling them would fetch that whole block again. Only modules holding weights under
+    that first name count (a later path to them is no group), and a weight tied to one in a module holding
+    other weights (an embedding and its head) leaves that module alone."""
+    reached = _reached_by(model, {b.path for b in blocks})
+    first = {id(w.tensor): w.name for w in collect_weights(model)}
+    found: dict[str, tuple[str, ...]] = {}
+    for path, module in model.named_modules():  # outer modules first
+        if not path or any(_inside(path, f) for f in found):
+            continue
+        tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+        if (tensors and all(len(reached.get(key, ())) >= 2 for key in tensors)
+                and any(_inside(first[key], path) for key in tensors)):
+            users = set().union(*(reached[key] for key in tensors))
+            found[path] = tuple(b.path for b in blocks if b.path in users)
+    return found
+
+
+def with_shared(model: nn.Module, blocks: list[Block]) -> list[Block]:
+    """``blocks`` with each module shared by several of them (`shared_modules`) a block of its own, of no
+    stack (never merged with its neighbours), so each block fetches its own weights and the shared one where
+    it calls it."""
+    shared = shared_modules(model, blocks)
+    marked = [dataclasses.replace(b, stack=None, users=shared[b.path]) if b.path in shared else b for b in blocks]
+    known = {b.path for b in blocks}
+    return marked + [Block(path, None, users) for path, users in shared.items() if path not in known]
 
 
 def _sub_blocks(model: nn.Module, block: Block) -> list[Block]:
@@ -294,15 +349,17 @@ def _splittable(model: nn.Module, blocks: list[Block], names: Iterable[str]) -> 
     by_path = {b.path: b for b in blocks}
     for name in names:
         block = by_path.get(name)
-        if block is not None and block.stack is not None and (subs := _sub_blocks(model, block)):
+        if block is not None and (block.stack is not None or block.users) and (subs := _sub_blocks(model, block)):
             return block, subs
     return None
 
 
 def _replaced(blocks: list[Block], block: Block, subs: list[Block]) -> list[Block]:
-    """``block`` split: what its sub-blocks leave (a block of no stack) and then its sub-blocks."""
+    """``block`` split: what its sub-blocks leave (a block of no stack) and then its sub-blocks, which the
+    blocks reaching a shared block reach too."""
     at = blocks.index(block)
-    return blocks[:at] + [Block(block.path, None)] + subs + blocks[at + 1:]
+    subs = [dataclasses.replace(sub, users=block.users) for sub in subs]
+    return blocks[:at] + [dataclasses.replace(block, stack=None)] + subs + blocks[at + 1:]
 
 
 # layerwise with prefetch=1 holds at most its two largest groups on the device at once; split blocks until
@@ -370,7 +427,8 @@ def _merged(run: list[tuple[Block, list[Weight]]]) -> GroupSpec:
     else:
         skip = len(first.stack) + 1 if first.stack else 0
         name = f"{first.path}-{last.path[skip:]}"
-    return GroupSpec(name, tuple(w for _, ws in run for w in ws), True, True)
+    users = tuple(dict.fromkeys(u for block, _ in run for u in block.users))
+    return GroupSpec(name, tuple(w for _, ws in run for w in ws), True, True, users=users)
 
 
 def _block_groups(blocks: list[tuple[Block, list[Weight]]], per: int) -> list[GroupSpec]:
@@ -382,7 +440,7 @@ def _block_groups(blocks: list[tuple[Block, list[Weight]]], per: int) -> list[Gr
             groups.append(_merged(run))
             run = []
         if block.stack is None:
-            groups.append(GroupSpec(block.path, tuple(ws), True, True))
+            groups.append(GroupSpec(block.path, tuple(ws), True, True, users=block.users))
         else:
             run.append((block, ws))
     return groups + ([_merged(run)] if run else [])
@@ -427,7 +485,7 @@ def _plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] 
             f"(nn.ModuleList, nn.Sequential) was found. Set the class attribute {BLOCKS_ATTR} = 'path.to.blocks' "
             f"on {type(model).__name__} (or OffloadPolicy(blocks_attr=...)); its top-level modules holding "
             f"weights are {holders}")
-    blocks = _split_dominant(model, _blocks_in(model, stacks), weights, stacks)
+    blocks = _split_dominant(model, with_shared(model, _blocks_in(model, stacks)), weights, stacks)
     if policy.strategy == "budget" and policy.offload_bytes:
         blocks = _split_at_budget(model, blocks, weights, stacks, policy.offload_bytes)
     by_path = {b.path: b for b in blocks}
@@ -519,7 +577,8 @@ def split_experts(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
             out.append(group)
             continue
         out.append(dataclasses.replace(group, weights=tuple(rest)))
-        out += [GroupSpec(path, tuple(ws), group.streamed, True, group.exclusive, experts=path in experts)
+        out += [GroupSpec(path, tuple(ws), group.streamed, True, group.exclusive, experts=path in experts,
+                          users=group.users)
                 for path, ws in split.items()]
     return out
 

@@ -42,11 +42,19 @@ def peak_estimate(groups: Iterable, prefetch: int, carry: bool = False) -> int:
     Groups on disk (``on_disk``, a ``host_budget_gb`` plan) are read further ahead: the pool is then the one
     the backend makes (`passes.slots.schedule_pool_bytes`) for the schedule's own rule (`build_schedule` with
     ``read_ahead``) over the streamed groups in order, one use each; with ``carry`` (``prefetch_next_call``) that
-    schedule carries the first reads from disk to the next call too, and holds their slots across its end."""
+    schedule carries the first reads from disk to the next call too, and holds their slots across its end.
+
+    A group several blocks call (``users``: a module they share) is fetched at each one's call, and once for
+    its whole span where they are more than the schedule fetches apart (`passes.schedule.MAX_RUNS`); its copies
+    may take different slots. The pool is then the one the backend makes for the schedule of the nominal order
+    (`_nominal_uses`: each block, the shared group just before each block calling it)."""
     groups = list(groups)
     streamed = [g for g in groups if g.streamed]
     classes = [_size_class_of(g) for g in streamed]
     resident = sum(g.nbytes for g in groups if not g.streamed)
+    if any(getattr(g, "users", ()) for g in streamed):
+        schedule = build_schedule(_nominal_uses(streamed), prefetch, carry=carry)
+        return resident + schedule_pool_bytes(schedule, classes.__getitem__)
     read_ahead = frozenset(i for i, g in enumerate(streamed) if getattr(g, "on_disk", False))
     if read_ahead:
         schedule = build_schedule([Use(i, i, i) for i in range(len(streamed))], prefetch, carry=carry,
@@ -61,6 +69,25 @@ def peak_estimate(groups: Iterable, prefetch: int, carry: bool = False) -> int:
         largest = sorted((class_bytes(c) for c in classes if slot_kind(c) == kind), reverse=True)
         slots += min(nbytes, sum(largest[:window]))
     return resident + slots
+
+
+def _nominal_uses(streamed: list) -> list[Use]:
+    """One use per group in order, a shared group's (``users``) just before each of its blocks' instead, or at
+    its own place for a user no group is named after (blocks merged by ``blocks_per_group``)."""
+    names = {g.name for g in streamed}
+    before: dict[str, list[int]] = {}
+    order: list[int] = []
+    for i, g in enumerate(streamed):
+        for user in getattr(g, "users", ()):
+            if user in names:
+                before.setdefault(user, []).append(i)
+    for i, g in enumerate(streamed):
+        order += before.get(g.name, [])
+        if getattr(g, "users", ()):
+            order += [i] * sum(user not in names for user in g.users)
+        else:
+            order.append(i)
+    return [Use(group, at, at) for at, group in enumerate(order)]
 
 
 def _size_class_of(group) -> tuple:
@@ -167,17 +194,34 @@ def _fix(model: nn.Module, group: str, groups: list, policy: OffloadPolicy, stac
     if module is None and policy.blocks_per_group > 1:
         return f"Fix: blocks_per_group=1 streams its blocks one at a time (now {policy.blocks_per_group})."
     inner = discover_stacks(module, MODEL_STACKS) if module is not None else ()
-    if inner:
-        paths = tuple(dict.fromkeys((*stacks, *(join_path(group, stack) for stack in inner))))
+    paths = tuple(dict.fromkeys((*stacks, *(join_path(group, stack) for stack in inner))))
+    if inner and not _in_effect(model, policy, paths, stacks, groups):
         return (f"Fix: blocks_attr={paths!r} streams its parts one at a time (blocks_attr names the modules whose "
                 f"children are the blocks; blocks_per_group=1 keeps them apart).")
     kind = type(module).__name__ if module is not None else "group"
     alone = peak_estimate(groups, 0)
     fewer = (f"; prefetch=0 would hold {alone / total:.0%} (one group at a time, copies no longer overlap compute)"
              if policy.prefetch and alone <= HALF_THE_MODEL * total else "")
-    return (f"Fix: {group!r} (a {kind}) holds no stack of blocks to split it along: name smaller blocks with "
+    # its stacks already stream apart (a dominant block split along them): blocks_attr along them changes nothing
+    what = (f"{group!r} (a {kind}) streams {', '.join(join_path(group, stack) for stack in inner)} apart already, "
+            f"and the rest of it" if inner else f"{group!r} (a {kind})")
+    return (f"Fix: {what} holds no stack of blocks to split it along: name smaller blocks with "
             f"blocks_attr='path.to.blocks' where the model has them and keep blocks_per_group=1, or keep it on the "
             f"device (strategy='budget' streams the rest){fewer}.")
+
+
+def _in_effect(model: nn.Module, policy: OffloadPolicy, paths: tuple[str, ...], stacks: tuple[str, ...],
+               groups: list) -> bool:
+    """Whether ``blocks_attr=paths`` is the plan already in effect: the stacks in use, or the groups it would
+    make are those of the plan (the split of a dominant block along the stack inside it already made them), so
+    suggesting it would change nothing."""
+    if set(paths) == set(stacks):
+        return True
+    try:
+        suggested = plan_groups(model, policy.replace(blocks_attr=paths))
+    except (ValueError, TypeError, KeyError, AttributeError):  # a pipeline's paths name its components' parts
+        return False
+    return [g.name for g in suggested] == [g.name for g in groups]
 
 
 def _component_pool_warning(name: str, groups: list, policy: OffloadPolicy, unmanaged_bytes: int) -> str | None:

@@ -20,6 +20,8 @@ import dataclasses
 # prefetch modes (`ops.prefetch`, `OffloadRuntime.prefetch`): copy now; take the copy the previous call carried,
 # else copy; carry to the next call
 FETCH, ADOPT, CARRY = 0, 1, 2
+# a group read in more separated runs than this is fetched once for its whole span (`build_schedule`)
+MAX_RUNS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ def _runs(uses: list[Use]) -> dict[int, list[list[Use]]]:
     return runs
 
 
-def build_schedule(uses: list[Use], prefetch: int, max_runs: int = 2, carry: bool = False,
+def build_schedule(uses: list[Use], prefetch: int, max_runs: int = MAX_RUNS, carry: bool = False,
                    read_ahead: frozenset[int] = frozenset()) -> Schedule:
     """Fetch instances ordered by first use; instance i is prefetched at the wait of instance i - prefetch
     (an instance of a ``read_ahead`` group, on disk: at the latest, at the wait of the previous such instance);
