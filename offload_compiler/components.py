@@ -105,7 +105,7 @@ def resolve(model: nn.Module, names: Iterable[str] | None, whole: bool = True) -
             known = discover(model)
             raise ValueError(f"unknown component {name!r} in {type(model).__name__}{_did_you_mean(name, paths)}; "
                              f"components that exist: {known or 'none of the known names'}; top-level modules: "
-                             f"{_top(model)}. Name those (components=[...]), "
+                             f"{_top(model)}. Name those (components=[...], cpu_offload_components in engine args), "
                              f"or leave components unset: every component found, or, where there are none, the "
                              f"whole model as one")
         chosen.extend(h for h in hits if h not in chosen)
