@@ -104,6 +104,28 @@ def test_memory_counters_follow_allocations():
     assert sim.memory_allocated() == before
 
 
+@simulator_only
+def test_torch_accelerator_memory_functions_answer_from_the_devices_counters():
+    """Libraries ask ``torch.accelerator`` (accelerate's ``clear_device_cache`` calls its ``empty_cache`` on every
+    weight it moves): on a device built from Python, torch's own answer is an internal assert."""
+    gc.collect()
+    before = torch.accelerator.memory_allocated()
+    assert before == sim.memory_allocated()
+    t = torch.empty(256, device=DEVICE)
+    assert torch.accelerator.memory_allocated() == torch.accelerator.memory.memory_allocated() == before + 1024
+    assert torch.accelerator.memory_stats()["allocated_bytes.all.current"] == before + 1024
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == before + 1024
+    free, total = torch.accelerator.get_memory_info()
+    assert free == total - before - 1024
+    torch.accelerator.empty_cache()
+    del t
+    gc.collect()
+    assert torch.accelerator.memory_allocated() == before
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.utils.memory.clear_device_cache()
+
+
 # -- the checker: programs that must pass and must fail --------------------------------------------------------
 
 @simulator_only

@@ -718,6 +718,46 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     return total - _checker().allocated, total
 
 
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """The counters under the names torch's allocators report them (``allocated_bytes.all.current``, ...)."""
+    checker = _checker()
+    stats = {}
+    for kind in ("allocated_bytes", "reserved_bytes", "active_bytes"):
+        stats[f"{kind}.all.current"], stats[f"{kind}.all.peak"] = checker.allocated, checker.peak
+    return stats
+
+
+# torch.accelerator's memory functions ask the device's C++ caching allocator, which a device built from Python
+# has none of (torch asserts "Allocator for sim is not a DeviceAllocator"); where the simulated device is the
+# current accelerator they answer from its own counters, as torch.accelerator does for CUDA's
+_ACCELERATOR_MEMORY = dict(
+    empty_cache=lambda: None, memory_stats=lambda device_index=None, /: memory_stats(),
+    memory_allocated=lambda device_index=None, /: memory_allocated(),
+    max_memory_allocated=lambda device_index=None, /: max_memory_allocated(),
+    memory_reserved=lambda device_index=None, /: memory_allocated(),
+    max_memory_reserved=lambda device_index=None, /: max_memory_allocated(),
+    reset_peak_memory_stats=lambda device_index=None, /: reset_peak_memory_stats(),
+    reset_accumulated_memory_stats=lambda device_index=None, /: None,
+    get_memory_info=lambda device_index=None, /: mem_get_info())
+
+
+def _answer_accelerator_memory() -> None:
+    namespaces = [getattr(torch, "accelerator", None), getattr(getattr(torch, "accelerator", None), "memory", None)]
+    for namespace in filter(None, namespaces):
+        for name, ours in _ACCELERATOR_MEMORY.items():
+            theirs = getattr(namespace, name, None)
+            if theirs is None or getattr(theirs, "_sim_routed", False):
+                continue
+
+            def routed(*args, _ours=ours, _theirs=theirs):
+                current = torch.accelerator.current_accelerator()
+                return (_ours if current is not None and current.type == NAME else _theirs)(*args)
+
+            routed._sim_routed = True
+            functools.update_wrapper(routed, theirs)
+            setattr(namespace, name, routed)
+
+
 class Graph:
     """A capture of the work issued on a stream (``torch.cuda.CUDAGraph``'s rules; see `graph`). The work
     runs when issued; ``replay`` issues the captured ops again, writing into the tensors they wrote then."""
@@ -778,7 +818,7 @@ def _module() -> types.ModuleType:
         setattr(mod, name, value)
     for value in (Stream, Event, Graph, OrderingViolation, current_stream, default_stream, set_stream, stream,
                   synchronize, is_current_stream_capturing, memory_allocated, max_memory_allocated,
-                  reset_peak_memory_stats, mem_get_info, graph):
+                  reset_peak_memory_stats, mem_get_info, memory_stats, graph):
         setattr(mod, value.__name__, value)
     mod.memory_reserved = memory_allocated
     return mod
@@ -848,6 +888,7 @@ def simulated_device() -> str:
                 torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
                 if hasattr(torch._C._acc, "register_python_privateuseone_hook"):  # torch 2.13+
                     torch._C._acc.register_python_privateuseone_hook(_Hooks())
+                _answer_accelerator_memory()
             _CHECKER = _Checker()
             _installed = f"{NAME}:0"
     return _installed
