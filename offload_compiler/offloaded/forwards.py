@@ -124,6 +124,7 @@ class _OffloadedForward:
                 raise
             finally:
                 if outer:
+                    runtime.release_held()  # copies its parts' graphs held (`_route_call`)
                     state.adopt_hooks()
             if runtime.graph_calls == calls and not _reads_are_counted(runtime):
                 raise OffloadRefusal(  # a tensor-subclass weight is no host master (see `_reads_are_counted`)
@@ -394,7 +395,8 @@ def _route_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return routed(*args, **kwargs)
     before = outside.runtime.bytes_transferred  # within an offloaded call: said at its end (`Outside`)
     try:
-        return routed(*args, **kwargs)
+        with outside.runtime.holding_copies():  # the next part's graph may read the same group
+            return routed(*args, **kwargs)
     finally:
         outside.add_part(module, outside.runtime.bytes_transferred - before)
 

@@ -140,6 +140,7 @@ class OffloadRuntime:
         self.resident, self.resident_weights, self.run_transfer = t.resident, t.resident_weights, t.run_transfer
         self.routed, self.routed_grouped = t.routed, t.routed_grouped
         self.actual_group = t.actual_group  # a subclass weight's rebuild, eagerly once per call
+        self.holding_copies = t.holding_copies  # parts called from Python (see `release_held`)
         register(self)
 
     pinned = _forwarded("host", "pinned")  # False once pinning failed at packing
@@ -211,6 +212,13 @@ class OffloadRuntime:
         if self.host.watched:  # a plain alias of host bytes lives (`HostStore.watch`): a write through it, which
             self.wait_for_copies()  # nothing intercepts, must not race this call's copies (carried ones too)
 
+    def release_held(self) -> None:
+        """An offloaded call ended: the copies its parts' graphs held (`TransferEngine.holding_copies`) go, and
+        with them, for a model that is its one component, the memory of their slots (see `end_call`)."""
+        self.transfers.release_held()
+        if self.gives_back_slots:
+            self.transfers.give_back_slots_after_call()
+
     def hand_out(self, master, alias, tracked: bool) -> None:
         """A plain alias of a weight's host bytes is given to the user (`host_masters._handed_out`): the copies
         queued now may read them, so the host waits for them first; then the host store watches it."""
@@ -275,7 +283,7 @@ class OffloadRuntime:
                             t.routed_fetches, t.expert_bytes,
                             sum(calls for _, _, calls in self.calls_by_plan()),
                             held_pool_bytes(self), held_device_weight_bytes(self) if self.graph_plans else 0,
-                            self.gives_back_slots)
+                            self.gives_back_slots, t.held_hits, t.held_hit_bytes)
 
     def describe(self) -> str:
         """The plan for people: each group's bytes and residency, and each graph's fetches and peak."""

@@ -40,6 +40,11 @@ class OffloadStats:
     # the model is its one component (`Group.whole_model`): its slots are held only while a call runs, so
     # ``device_weight_bytes`` is held during a call and, between calls, only ``unmanaged_bytes``
     slots_given_back: bool = False
+    # fetches the plans made that a copy held within the call served instead, moving nothing: the parts that code
+    # dynamo ran without a graph called one by one, each a graph of its own over the same group
+    # (`TransferEngine.holding_copies`); bytes_transferred + held_hit_bytes is what the plans fetched
+    held_hits: int = 0
+    held_hit_bytes: int = 0
 
     @property
     def expert_bytes_per_call(self) -> float:
@@ -65,6 +70,8 @@ class OffloadStats:
                     if self.on_demand_bytes else "")
         carried += (f"; {size(self.disk_bytes)} on disk, {size(self.disk_bytes_read)} read from it"
                     if self.disk_bytes else "")
+        carried += (f"; {counted(self.held_hits, 'planned fetch', 'planned fetches')} served by copies held within "
+                    f"the call ({size(self.held_hit_bytes)} not moved)" if self.held_hits else "")
         carried += (f"; experts {size(self.expert_bytes_per_call)} per call" if self.expert_bytes else "")
         carried += (f"; {size(self.routed_bytes)} in {counted(self.routed_fetches, 'routed fetch', 'routed fetches')} "
                     f"(the rows indices named)" if self.routed_fetches else "")

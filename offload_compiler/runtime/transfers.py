@@ -8,6 +8,7 @@ held, and injects faults for tests.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -93,7 +94,7 @@ def _read_bucket(bucket, target: torch.Tensor, group: Group, index: int) -> None
 # what a call moved, counted since the last reset: one list, so that a counter added is reset and carried over
 # (`continue_counters`) with the others
 COUNTERS = ("bytes_transferred", "disk_bytes_read", "fetch_count", "carry_hits", "routed_bytes", "routed_fetches",
-            "expert_bytes")
+            "expert_bytes", "held_hits", "held_hit_bytes")
 
 
 class TransferEngine:
@@ -115,6 +116,9 @@ class TransferEngine:
         self.disk_bytes_read = 0  # of it, read from the disk tier's files
         self.fetch_count = 0
         self.carry_hits = 0
+        # fetches a graph's plan made that a copy held within the call served instead (`holding`), and their bytes
+        self.held_hits = self.held_hit_bytes = 0
+        self.holding = 0  # > 0 while graphs run that hold their evicted copies (`holding`)
         self.routed_bytes = 0  # of bytes_transferred, moved by routed fetches (the rows indices named)
         self.routed_fetches = 0
         self.expert_groups: frozenset[int] = frozenset()  # (set by the runtime) groups of fused expert weights
@@ -128,6 +132,8 @@ class TransferEngine:
         self._live: dict[int, DeviceSlot] = {}  # group -> slot waited for, not yet evicted (this call)
         self._resident: dict[int, tuple[DeviceSlot, tuple]] = {}  # group -> its own slot, host stamp
         self._parked: dict[int, tuple[DeviceSlot, tuple]] = {}
+        # group -> slot, host stamp, poison at release: evicted while `holding`
+        self._held: dict[int, tuple[DeviceSlot, tuple, bool]] = {}
         self._carried: dict[int, Carried] = {}  # fetch key -> copy made by the previous call
         self._carry_used: set[int] = set()  # keys whose carried copy was taken at least once
         self._carry_misses: dict[int, int] = {}  # keys whose carried copy was dropped unused, how often
@@ -158,7 +164,7 @@ class TransferEngine:
         (`DeviceSlot.buffers_for`). Without it a later graph's larger group of the kind got a slot of its own
         next to the free smaller one: a component per graph pooled every component's bytes."""
         busy = {*self._pending.values(), *self._live.values(), *(c.slot for c in self._carried.values())}
-        parked = {slot for slot, _ in self._parked.values()}
+        parked = {slot for slot, *_ in (*self._parked.values(), *self._held.values())}
         return frozenset((cls, slot.index) for cls, slots in self.pool.slots.items() if cls[:1] == (SHARED,)
                          for slot in slots
                          if slot not in busy and not slot.filled_in_capture
@@ -393,9 +399,10 @@ class TransferEngine:
     def _vacate(self, slot: DeviceSlot) -> None:
         """A slot about to be refilled still holds a copy kept between calls (a parked component, a copy
         carried for another graph): that copy goes. A copy of the running call there is a planning bug."""
-        for group, (held, _) in list(self._parked.items()):
-            if held is slot:
-                del self._parked[group]
+        for kept in (self._parked, self._held):
+            for group, (held, *_) in list(kept.items()):
+                if held is slot:
+                    del kept[group]
         for key, carried in list(self._carried.items()):
             if carried.slot is slot:
                 del self._carried[key]
@@ -449,7 +456,42 @@ class TransferEngine:
             return
         if parked is not None:
             self._release(parked[0])
-        self._pending[key] = self._fill(slot, g)
+        self._pending[key] = self._take_held_or_fill(slot, g, capturing)
+
+    @contextlib.contextmanager
+    def holding_copies(self):
+        """Graphs run inside keep each copy they evict in its slot, held until the next fill that is not its
+        group's into that slot, or the end of the call (`release_held`): the parts a frame without a graph calls
+        one by one (`offloaded.forwards._route_call`) each run a graph of their own, and where their weights are
+        one group (a component under ``sequential``, a block whose own frame broke) each such graph fetched the
+        whole group again. Held copies take no memory beyond the pool's slots, and one is dropped before any other
+        copy arrives, so the ledger never counts more than one graph's own copies plus one held."""
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+
+    def _take_held_or_fill(self, slot: DeviceSlot, group: Group, capturing: bool) -> DeviceSlot:
+        """The copy held in ``slot`` where it is ``group``'s and its host weights are unchanged (counted as a
+        held hit: the plan's fetch, served without moving its bytes); else every held copy goes, then the fill."""
+        held = self._held.pop(group.index, None)
+        if held is not None and held[0] is slot and held[1] == stamp(group) and not capturing:
+            self.held_hits += 1
+            self.held_hit_bytes += group.nbytes
+            return slot
+        if held is not None:
+            self._held[group.index] = held  # stale or elsewhere: released with the others
+        self.release_held()
+        return self._fill(slot, group)
+
+    def release_held(self) -> None:
+        """The copies held within the call go (the call ended, failed, or another copy arrives)."""
+        for slot, _, poison in self._held.values():
+            if poison and self.debug_poison:
+                slot.poison()
+            self._release(slot)
+        self._held.clear()
 
     def _adopt(self, key: int, group: Group) -> bool:
         carried = self._carried.pop(key, None)
@@ -490,7 +532,10 @@ class TransferEngine:
     def _wait(self, key: int, group: int) -> DeviceSlot:
         group = self.actual_group(group)
         self.used_groups.add(group)
-        slot = self._pending.pop(key, None) or self._fill(self._slot_of[key], self.groups[group])
+        slot = self._pending.pop(key, None)
+        if slot is None:
+            capturing = self.streams is not None and self.streams.capturing()
+            slot = self._take_held_or_fill(self._slot_of[key], self.groups[group], capturing)
         self._live[group] = slot  # before its fill is waited for: a failed fill's slot is released with the call's
         self._ready(slot)
         return slot
@@ -503,6 +548,9 @@ class TransferEngine:
         if park and not slot.filled_in_capture:  # latency-minimising: stays on the device until another
             # component needs the room (not a copy a capture made: it exists only when the graph replays)
             self._parked[group] = (slot, stamp(self.groups[group]))
+            return
+        if self.holding and not slot.filled_in_capture:
+            self._held[group] = (slot, stamp(self.groups[group]), poison)
             return
         if poison and self.debug_poison:
             slot.poison()
@@ -563,6 +611,7 @@ class TransferEngine:
             self._release(slot)
         self._pending.clear()
         self._live.clear()
+        self.release_held()
         self.release_carried()
 
     def release_carried(self) -> int:
@@ -573,6 +622,7 @@ class TransferEngine:
         return freed
 
     def release_resident(self) -> None:
+        self.release_held()
         for slot, _ in [*self._resident.values(), *self._parked.values()]:
             self._release(slot)
         self._resident.clear()
