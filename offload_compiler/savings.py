@@ -39,26 +39,25 @@ def peak_estimate(groups: Iterable, prefetch: int, carry: bool = False) -> int:
     cyclic window). Assumed, as without carrying: each group's copy is gone before the group prefetch + 1 after
     it is waited for (no group's use spans another's).
 
-    Groups on disk (``on_disk``, a ``host_budget_gb`` plan) are read further ahead: the pool is then the one
-    the backend makes (`passes.slots.schedule_pool_bytes`) for the schedule's own rule (`build_schedule` with
-    ``read_ahead``) over the streamed groups in order, one use each; with ``carry`` (``prefetch_next_call``) that
-    schedule carries the first reads from disk to the next call too, and holds their slots across its end.
+    Where the order of the groups decides the pool, the estimate is the pool the backend makes
+    (`passes.slots.schedule_pool_bytes`) for the schedule of that order (`build_schedule`, the planner's own),
+    over the streamed groups in order (`_nominal_uses`):
 
-    A group several blocks call (``users``: a module they share) is fetched at each one's call, and once for
-    its whole span where they are more than the schedule fetches apart (`passes.schedule.MAX_RUNS`); its copies
-    may take different slots. The pool is then the one the backend makes for the schedule of the nominal order
-    (`_nominal_uses`: each block, the shared group just before each block calling it)."""
+    - groups on disk (``on_disk``, a ``host_budget_gb`` plan) are read further ahead (``read_ahead``); with
+      ``carry`` the first reads from disk are carried to the next call too, their slots held across its end;
+    - a group several blocks call (``users``: a module they share) is fetched at each one's call (just before
+      each block calling it), and once for its whole span where they are more than the schedule fetches apart
+      (`passes.schedule.MAX_RUNS`); its copies may take different slots;
+    - a block's fused expert weights (``experts``: a group of their own, right after the rest of their block)
+      alternate with the rest of the blocks, two size classes of which the window never holds two of one class
+      at once: counting each class at its full window would hold two blocks' experts and two blocks' rests."""
     groups = list(groups)
     streamed = [g for g in groups if g.streamed]
     classes = [_size_class_of(g) for g in streamed]
     resident = sum(g.nbytes for g in groups if not g.streamed)
-    if any(getattr(g, "users", ()) for g in streamed):
-        schedule = build_schedule(_nominal_uses(streamed), prefetch, carry=carry)
-        return resident + schedule_pool_bytes(schedule, classes.__getitem__)
     read_ahead = frozenset(i for i, g in enumerate(streamed) if getattr(g, "on_disk", False))
-    if read_ahead:
-        schedule = build_schedule([Use(i, i, i) for i in range(len(streamed))], prefetch, carry=carry,
-                                  read_ahead=read_ahead)
+    if read_ahead or any(getattr(g, "users", ()) or getattr(g, "experts", False) for g in streamed):
+        schedule = build_schedule(_nominal_uses(streamed), prefetch, carry=carry, read_ahead=read_ahead)
         return resident + schedule_pool_bytes(schedule, classes.__getitem__)
     window = prefetch + 1
     by_class: dict[tuple, int] = {}  # kind -> its slots' bytes, per size class

@@ -99,6 +99,7 @@ class Group:
     exclusive: bool = False
     whole_model: bool = False  # the model's one component (`GroupSpec.whole_model`): its slot leaves after each call
     users: tuple[str, ...] = ()  # the blocks that call it (`GroupSpec.users`)
+    experts: bool = False  # a block's fused expert weights (`GroupSpec.experts`)
     on_disk: bool = False  # its host buffers are files (`disk`), read at each fill
     packed: bool = False
     staged: tuple[Leaf, ...] = ()  # the owner leaves copied through a staging buffer (set by packing)
@@ -186,7 +187,7 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
             leaves.append(leaf)
         slots.append(Slot(w.name, w.tensor, leaves, rebuild_spec(w.tensor)))
     return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive, spec.whole_model,
-                 users=spec.users)
+                 users=spec.users, experts=spec.experts)
 
 
 def layout_groups(specs: list[GroupSpec]) -> list[Group]:
