@@ -406,8 +406,12 @@ def test_the_vision_parts_of_vision_language_models_are_components_and_clip_has_
         T.CLIPVisionModel: [],
     }
     for cls, expected in cases.items():
+        config = cls.config_class()
+        text = getattr(config, "text_config", None)
+        if text is not None and (text.pad_token_id or 0) >= text.vocab_size:  # Idefics3's default, transformers 5.4
+            text.pad_token_id = None
         with torch.device("meta"):
-            model = cls(cls.config_class())
+            model = cls(config)
         assert sorted(discover(model)) == sorted(expected), cls.__name__
 
 
