@@ -367,3 +367,29 @@ def test_parts_called_one_by_one_from_a_frame_without_a_graph_fetch_their_group_
                 assert dev.memory_allocated() == base
     (warning,) = _skipping_frame_warnings(caught)
     assert "own offloaded graph" in warning
+
+
+@pytest.mark.parametrize("device", ["cpu", simulated_device()])
+def test_a_fetch_failing_while_copies_are_held_leaves_nothing_held_and_the_model_whole(device):
+    """The second block's fetch fails after the first block's parts held its copy: the call raises the fault,
+    no copy stays on the device, and the next call computes what the plain model does, with every group moved
+    once."""
+    from offload_compiler import inject_fault
+    torch.manual_seed(0)
+    model, x = BrokenBlocks().eval().requires_grad_(False), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        expected = model(x)
+    m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device, compiler="eager"))
+    x = x.to(device)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        m(x)  # captured
+        inject_fault(m, "fetch", "layers.1", RuntimeError("disk gone"))
+        with pytest.raises(RuntimeError, match="disk gone"):
+            m(x)
+        stats = offload_stats(m)
+        assert stats.live_device_bytes == 0 and stats.held_hits  # the first block's parts held their copy
+        reset_offload_stats(m)
+        torch.testing.assert_close(m(x).cpu(), expected, atol=0 if device == "cpu" else 1e-6, rtol=0)
+    stats = assert_traffic_matches_plan(m)
+    assert stats.bytes_transferred == _nbytes(model) and stats.live_device_bytes == 0
