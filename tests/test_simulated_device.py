@@ -107,7 +107,13 @@ def test_memory_counters_follow_allocations():
 @simulator_only
 def test_torch_accelerator_memory_functions_answer_from_the_devices_counters():
     """Libraries ask ``torch.accelerator`` (accelerate's ``clear_device_cache`` calls its ``empty_cache`` on every
-    weight it moves): on a device built from Python, torch's own answer is an internal assert."""
+    weight it moves): on a device built from Python, torch's own answer is an internal assert. Its
+    ``synchronize`` is the device's (a host synchronisation inside a capture is refused, as on CUDA)."""
+    torch.accelerator.synchronize()
+    g = sim.Graph()
+    with pytest.raises(OrderingViolation, match="synchron"):
+        with sim.graph(g):
+            torch.accelerator.synchronize()
     gc.collect()
     before = torch.accelerator.memory_allocated()
     assert before == sim.memory_allocated()

@@ -727,11 +727,12 @@ def memory_stats(device: Any = None) -> dict[str, int]:
     return stats
 
 
-# torch.accelerator's memory functions ask the device's C++ caching allocator, which a device built from Python
-# has none of (torch asserts "Allocator for sim is not a DeviceAllocator"); where the simulated device is the
-# current accelerator they answer from its own counters, as torch.accelerator does for CUDA's
-_ACCELERATOR_MEMORY = dict(
-    empty_cache=lambda: None, memory_stats=lambda device_index=None, /: memory_stats(),
+# torch.accelerator's memory functions ask the device's C++ caching allocator, and its synchronize the C++ device
+# guard, which a device built from Python has none of (torch asserts "Allocator for sim is not a DeviceAllocator";
+# "Backend doesn't support synchronizing all streams"); where the simulated device is the current accelerator they
+# answer from its own counters and checker, as torch.accelerator does for CUDA's
+_ACCELERATOR_FUNCTIONS = dict(
+    synchronize=lambda device=None, /: synchronize(), empty_cache=lambda: None, memory_stats=lambda device_index=None, /: memory_stats(),
     memory_allocated=lambda device_index=None, /: memory_allocated(),
     max_memory_allocated=lambda device_index=None, /: max_memory_allocated(),
     memory_reserved=lambda device_index=None, /: memory_allocated(),
@@ -741,10 +742,10 @@ _ACCELERATOR_MEMORY = dict(
     get_memory_info=lambda device_index=None, /: mem_get_info())
 
 
-def _answer_accelerator_memory() -> None:
+def _answer_accelerator_functions() -> None:
     namespaces = [getattr(torch, "accelerator", None), getattr(getattr(torch, "accelerator", None), "memory", None)]
     for namespace in filter(None, namespaces):
-        for name, ours in _ACCELERATOR_MEMORY.items():
+        for name, ours in _ACCELERATOR_FUNCTIONS.items():
             theirs = getattr(namespace, name, None)
             if theirs is None or getattr(theirs, "_sim_routed", False):
                 continue
@@ -888,7 +889,7 @@ def simulated_device() -> str:
                 torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
                 if hasattr(torch._C._acc, "register_python_privateuseone_hook"):  # torch 2.13+
                     torch._C._acc.register_python_privateuseone_hook(_Hooks())
-                _answer_accelerator_memory()
+                _answer_accelerator_functions()
             _CHECKER = _Checker()
             _installed = f"{NAME}:0"
     return _installed
