@@ -101,6 +101,13 @@ def _gib_at_least(nbytes: int) -> str:
     return f"{math.ceil(gib * scale) / scale:g}"
 
 
+def _gib_at_most(nbytes: int) -> str:
+    """``nbytes`` in GiB rounded down to 3 significant digits, for an ``offload_gb=`` that asks for at most it."""
+    gib = nbytes / 2**30
+    scale = 10 ** (2 - math.floor(math.log10(gib)))
+    return f"{math.floor(gib * scale) / scale:g}"
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
@@ -205,8 +212,24 @@ def _fix(model: nn.Module, group: str, groups: list, policy: OffloadPolicy, stac
     what = (f"{group!r} (a {kind}) streams {', '.join(join_path(group, stack) for stack in inner)} apart already, "
             f"and the rest of it" if inner else f"{group!r} (a {kind})")
     return (f"Fix: {what} holds no stack of blocks to split it along: name smaller blocks with "
-            f"blocks_attr='path.to.blocks' where the model has them and keep blocks_per_group=1, or keep it on the "
-            f"device (strategy='budget' streams the rest){fewer}.")
+            f"blocks_attr='path.to.blocks' where the model has them and keep blocks_per_group=1, or "
+            f"{_keep_on_device(groups, policy)}{fewer}.")
+
+
+def _keep_on_device(groups: list, policy: OffloadPolicy) -> str:
+    """The other way out for a group in one piece: keep it on the device. Under ``budget``, which streams whole
+    groups in its order (`grouping.choose_streamed`) until ``offload_gb`` is reached, that is a budget that
+    stops before the group that passed it."""
+    if policy.strategy != "budget":
+        return "keep it on the device (strategy='budget' streams the rest)"
+    streamed = [g for g in groups if g.streamed]
+    order = [g for g in streamed if g.is_block] + sorted((g for g in streamed if not g.is_block),
+                                                         key=lambda g: (-g.nbytes, g.name))
+    below = sum(g.nbytes for g in order[:-1])
+    if not below:
+        return "keep it on the device (strategy='layerwise' streams every group, one at a time)"
+    return (f"offload_gb={_gib_at_most(below)} streams the groups before {order[-1].name!r} ({_mib(below)}: budget "
+            f"streams whole groups, in order, until offload_gb is reached)")
 
 
 def _in_effect(model: nn.Module, policy: OffloadPolicy, paths: tuple[str, ...], stacks: tuple[str, ...],

@@ -542,3 +542,23 @@ def test_a_plan_that_saves_does_not_warn(recwarn):
     offload_compile(build("regnet")[0], OffloadPolicy(strategy="budget", device="cpu", prefetch=0,
                                                       offload_gb=model_bytes(build("regnet")[0]) / 2 / 2**30))
     assert not [w for w in recwarn if issubclass(w.category, OffloadSavingWarning)]
+
+
+def test_budget_past_offload_gb_by_one_piece_names_the_budget_that_stops_before_it():
+    """A budget that streams whole groups until offload_gb is reached passes it by up to one group; where that
+    group is one piece the fix names the offload_gb that stops before it -- never strategy='budget', the plan in
+    effect -- and that budget streams exactly the groups before it, with no warning of streaming past it."""
+    model, inputs, layer = four_layer_llama()
+    policy = OffloadPolicy(strategy="budget", device="cpu", compiler="eager", prefetch=0, offload_gb=1.5 * layer / 2**30)
+    with pytest.warns(OffloadSavingWarning, match=r"budget streams .* offload_gb") as record:
+        offload_compile(model, policy)
+    message = str(record[0].message)
+    assert "strategy='budget'" not in message
+    stop = float(re.search(r"offload_gb=([\d.e-]+) streams the groups before", message).group(1))
+    model, inputs, _ = four_layer_llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fixed = offload_compile(model, policy.replace(offload_gb=stop))
+    assert not [w for w in caught if "budget streams" in str(w.message)]
+    streamed = sum(g.nbytes for g in fixed._offload_runtime.groups if g.streamed)
+    assert streamed == layer  # the layer before the second, which passed 1.5 layers
