@@ -83,7 +83,7 @@ def _offload(model: Any, policy: OffloadPolicy, filled: FilledBuckets | None) ->
     try:
         _check_saving(model, policy)
     except BaseException:  # a warning made an error (``-W error``): refused, and nothing changed
-        state.detach()
+        state.detach(copy_back=filled is None)  # loaded from a checkpoint: the caller gives back what it held
         raise
 
 

@@ -123,9 +123,14 @@ def test_a_failure_after_loading_leaves_the_model_as_it_was_and_a_retry_loads_it
                            host_budget_gb=(2 * BLOCK + small) / 2**30, disk_dir=str(folder))
     open_before = _descriptors()
     calls = _inject(monkeypatch, point)
+    # the undo gives the model back what it held: no weight is copied into memory of its own on the way (the
+    # groups on disk of a model larger than host memory would not fit), whatever had been packed
+    from offload_compiler.runtime import host
+    copied = _fail_at_call(monkeypatch, host, "_own_copy", 0)
     with pytest.raises((OSError, RuntimeError, ValueError), match="injected"):
         offload_compile(model, policy, checkpoint=path)
     assert calls, "the failure was not reached"
+    assert not copied, f"{len(copied)} weights copied back into memory before being given back"
     monkeypatch.undo()
     assert state_of(model) is None and type(model) is cls and not isinstance(model, OffloadedModule)
     now = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -110,21 +110,21 @@ def offload_module(model: nn.Module, policy: OffloadPolicy, filled: FilledBucket
     refuse_components_of_a_model(model, policy)  # ``auto`` groups at its first call: refused now, before anything
     runtime = None if policy.strategy == "auto" else build_runtime(model, policy, filled=filled)
     state = OffloadState(model, policy, runtime)
-    with _undone_on_failure(state):
+    with _undone_on_failure(state, copy_back=filled is None):
         attach(state, [model])
         install_forwards(model, state)
     return state
 
 
 @contextlib.contextmanager
-def _undone_on_failure(state: OffloadState) -> Iterator[None]:
+def _undone_on_failure(state: OffloadState, copy_back: bool = True) -> Iterator[None]:
     """Offloading is one transaction (README, "Reliability"): a failure between the runtime's building and the
     state's being complete (attaching, installing the forwards) is undone by `OffloadState.detach`, which gives
     back what was changed so far, so the model runs as before and a retry is not refused as offloaded already."""
     try:
         yield
     except BaseException:
-        state.detach()
+        state.detach(copy_back)
         raise
 
 
@@ -146,7 +146,7 @@ def offload_pipeline(pipeline: Any, policy: OffloadPolicy, filled: FilledBuckets
     else:
         runtime = build_runtime(modules, policy, name=name, filled=filled)
     state = OffloadState(pipeline, policy, runtime, modules=modules, unplanned=unplanned)
-    with _undone_on_failure(state):
+    with _undone_on_failure(state, copy_back=filled is None):
         attach(state, list(modules.children()))
         install_forwards(modules, state)
     return state

@@ -153,15 +153,17 @@ class OffloadState:
             forward = self.part_forwards[module] = make(module, self)
         return forward
 
-    def detach(self) -> Any:
+    def detach(self, copy_back: bool = True) -> Any:
         """Undo offloading: weights get their own storage (and layout) back, classes, forwards and hook dicts are
-        restored, device copies dropped. Every handle to the old offload then refuses to run."""
+        restored, device copies dropped. Every handle to the old offload then refuses to run. ``copy_back=False``
+        (a failed load from a checkpoint, whose caller gives back the tensors the model held): the weights are
+        left as they are, for the caller to replace (`HostStore.unpack`)."""
         with self.lock:
             runtimes = [rt for rt in (self.runtime, self.traced_runtime) if rt is not None]
             added = weights_added_later(self.modules, runtimes) if self.runtime is not None \
                 and self.modules is not None else {}
             if self.runtime is not None:
-                self.runtime.unpack()
+                self.runtime.unpack(copy_back)
             for (module, method), forward in self.forwards.items():
                 module.__dict__.pop(method, None)
                 if forward.previous is not None:

@@ -103,7 +103,9 @@ class OffloadRuntime:
                     for group in self.host.groups:
                         self.host.pack(group, filled)
             except BaseException:  # building a runtime is one transaction: every weight gets its own storage
-                self.host.unpack(model)  # back (the groups packed, and the part of one packed when it failed)
+                # back (the groups packed, and the part of one packed when it failed), or, loading from a
+                # checkpoint, nothing: the loader gives back what the model held
+                self.host.unpack(model, copy_back=filled is None)
                 raise
         # the model: a weak reference (names in messages) and its weights in no group
         self.model_ref: Callable[[], object] | None = None if model is None else weakref.ref(model)
@@ -261,12 +263,12 @@ class OffloadRuntime:
         with self.lock:
             return self.transfers.release_device_copies()
 
-    def unpack(self) -> None:
-        """Give every weight its own storage again (the undo of packing) and drop all device copies and the
-        device pool."""
+    def unpack(self, copy_back: bool = True) -> None:
+        """Give every weight its own storage again (the undo of packing; see `HostStore.unpack` for
+        ``copy_back``) and drop all device copies and the device pool."""
         with self.lock:
             self.transfers.close()
-            self.host.unpack(self.model_ref() if self.model_ref is not None else None)
+            self.host.unpack(self.model_ref() if self.model_ref is not None else None, copy_back)
             for _, handle in self._state_dict_hooks.values():
                 handle.remove()
             self._state_dict_hooks.clear()

@@ -336,12 +336,14 @@ class HostStore:
             leaf.host_version = leaf.family_version()
         leaf.host_ptr = leaf.value.data_ptr()
 
-    def unpack(self, model: nn.Module | None) -> None:
+    def unpack(self, model: nn.Module | None, copy_back: bool = True) -> None:
         """Give every weight its own storage again (the undo of packing), host masters in ``model`` as plain
         tensors; the host buffers are unregistered before they can be freed. The caller has waited for the
-        copies that read them."""
+        copies that read them. ``copy_back=False``: the weights are not given storage of their own, since the
+        caller gives the model back the tensors it held before (a failed load from a checkpoint: copying the
+        groups on disk into memory would read a model that may not fit there, to throw it away)."""
         masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for group in self.groups:
+        for group in self.groups if copy_back else ():
             for leaf in group.leaves:
                 bucket = group.buckets[leaf.bucket]
                 # not in a buffer: never packed (an owner's bytes are its own), or not yet -- a group packed
