@@ -415,7 +415,7 @@ def test_the_vision_parts_of_vision_language_models_are_components_and_clip_has_
         assert sorted(discover(model)) == sorted(expected), cls.__name__
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", ["cpu", pytest.param(_devices()[1], marks=pytest.mark.slow)])  # 12 s each
 @pytest.mark.parametrize("build, streamed", [
     (lambda: _llava(vision_layers=4, vision_hidden=64), ["model.vision_tower", "model.multi_modal_projector"]),
     ], ids=["llava"])
@@ -444,6 +444,7 @@ def test_sequential_streams_the_vision_tower_and_projector_of_a_vision_language_
     assert plan_summary(m)["saving"]["share_of_model"] < 0.6  # the old plan, the tower kept: above 100%
 
 
+@pytest.mark.slow  # about 20 s each: the fast subset streams a vision-language model under sequential above
 @pytest.mark.parametrize("device", _devices())
 def test_sequential_saving_little_on_a_vision_language_model_warns_naming_layerwise_which_saves(device):
     """The language model is one component, most of the model: sequential keeps nearly all of it on the device

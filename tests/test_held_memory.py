@@ -160,7 +160,8 @@ def _component_policies():
             "sequential": dict(strategy="sequential")}
 
 
-@pytest.mark.parametrize("strategy", sorted(_component_policies()))
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s == "alternating" else s
+                                      for s in sorted(_component_policies())])  # about 20 s each
 def test_components_called_as_graphs_of_their_own_pool_about_the_largest_component(strategy):
     from offload_compiler import offload_groups
     from offload_compiler import reset_offload_stats

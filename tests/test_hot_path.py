@@ -377,6 +377,7 @@ def test_inductor_graphs_call_torchs_builtins_whatever_wraps_them_while_lowering
     assert_traffic_matches_plan(m)
 
 
+@pytest.mark.slow  # about 10 s: an autocast capture
 def test_a_linear_under_autocast_is_copied_not_made_opaque():
     """Under autocast a linear's inputs are cast inside it (float32 weight, bfloat16 result): our opaque linear,
     which computes in its inputs' dtype, would not, so such a reader is copied (`ops.materialize`) as any other

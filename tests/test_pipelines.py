@@ -109,6 +109,7 @@ def test_auto_plans_each_denoiser_at_its_first_call_within_the_budget():
         g.nbytes for g in groups.values() if g.name.startswith("text_encoder")) * 2
 
 
+@pytest.mark.slow  # about 7 s: auto plans a pipeline twice
 def test_auto_too_small_for_a_pipeline_names_the_pipelines_budget_that_works():
     """A denoiser's share too small: the error names the budget the pipeline needs (kept + the encoders' window +
     the denoiser's smallest plan), which is above what was given, and that budget plans."""

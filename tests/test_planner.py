@@ -88,6 +88,7 @@ def test_search_bounds_hold_for_every_completion(table, data):
                     assert _inline_bound(table, order, len(streamed), frozenset(), 10**9, 0) <= time_s + 1e-9
 
 
+@pytest.mark.slow  # about 5 s: a hundred blocks planned
 def test_hundred_blocks_plan_quickly():
     import time
     groups = (GroupCost("embed", 400),) + tuple(GroupCost(f"b{i}", 100, True) for i in range(100)) + (
