@@ -75,7 +75,9 @@ warning asks subclasses for it): torch calls it, we call nothing, and without it
 
 Not here: ``offload_compiler/testing/simulated.py``, the simulated ``PrivateUse1`` accelerator that tests run
 on, registers a device with torch's private device-guard and dispatch-key APIs (``torch._C._acc``,
-``torch._C.DispatchKeySet``, ``torch._register_device_module``, ...). It is test infrastructure, imported only
+``torch._C.DispatchKeySet``, ``torch._register_device_module``, ...), and wraps ``torch.accelerator``'s memory
+functions and ``synchronize`` for the process (they answer from the device's own counters while it is the current
+accelerator: torch's need a C++ allocator and device guard). It is test infrastructure, imported only
 through ``offload_compiler.testing`` (never by the offloading code), and is excluded from
 `test_no_private_torch_outside_this_module`.
 """
