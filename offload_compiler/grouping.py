@@ -675,6 +675,13 @@ def _by_key(weights: list[Weight], key, is_block: bool) -> list[GroupSpec]:
     return [GroupSpec(name, tuple(ws), True, is_block) for name, ws in keyed.items()]
 
 
+def budget_order(groups: list) -> list:
+    """The order ``budget`` streams groups in (`choose_streamed`): whole blocks front to back, then the largest
+    other groups. ``groups``: `GroupSpec`s or a runtime's groups."""
+    return [g for g in groups if g.is_block] + sorted((g for g in groups if not g.is_block),
+                                                      key=lambda g: (-g.nbytes, g.name))
+
+
 def choose_streamed(groups: list[GroupSpec], policy: OffloadPolicy) -> list[GroupSpec]:
     """Residency by strategy. ``budget`` streams whole blocks front to back, then the largest other groups,
     until at least ``offload_gb`` is streamed; everything when the budget exceeds the model."""
@@ -685,9 +692,7 @@ def choose_streamed(groups: list[GroupSpec], policy: OffloadPolicy) -> list[Grou
     target = policy.offload_bytes or 0
     streamed: set[str] = set()
     total = 0
-    order = [g for g in groups if g.is_block] + sorted((g for g in groups if not g.is_block),
-                                                       key=lambda g: (-g.nbytes, g.name))
-    for group in order:
+    for group in budget_order(groups):
         if total >= target:
             break
         streamed.add(group.name)

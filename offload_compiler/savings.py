@@ -10,8 +10,8 @@ from typing import Iterable
 
 from torch import nn
 
-from .grouping import (BUDGET_SLACK, MODEL_STACKS, ROOT, block_paths, discover_stacks, join_path, plan_groups,
-                       registered_submodule)
+from .grouping import (BUDGET_SLACK, MODEL_STACKS, ROOT, block_paths, budget_order, discover_stacks, join_path,
+                       plan_groups, registered_submodule)
 from .passes.schedule import Use, build_schedule
 from .passes.slots import class_bytes, schedule_pool_bytes, slot_kind
 from .policy import COMPONENT_STRATEGIES, OffloadPolicy, spelled
@@ -94,18 +94,17 @@ def _size_class_of(group) -> tuple:
     return size_class(group if hasattr(group, "buckets") else layout_group(0, group))
 
 
-def _gib_at_least(nbytes: int) -> str:
-    """``nbytes`` in GiB rounded up to 3 significant digits, for an ``offload_gb=`` that asks for at least it."""
+def _gib_at_least(nbytes: int, rounded=math.ceil) -> str:
+    """``nbytes`` in GiB rounded up (``rounded``) to 3 significant digits, for an ``offload_gb=`` that asks for at
+    least it."""
     gib = nbytes / 2**30
     scale = 10 ** (2 - math.floor(math.log10(gib)))
-    return f"{math.ceil(gib * scale) / scale:g}"
+    return f"{rounded(gib * scale) / scale:g}"
 
 
 def _gib_at_most(nbytes: int) -> str:
-    """``nbytes`` in GiB rounded down to 3 significant digits, for an ``offload_gb=`` that asks for at most it."""
-    gib = nbytes / 2**30
-    scale = 10 ** (2 - math.floor(math.log10(gib)))
-    return f"{math.floor(gib * scale) / scale:g}"
+    """As `_gib_at_least`, rounded down: an ``offload_gb=`` that asks for at most ``nbytes``."""
+    return _gib_at_least(nbytes, math.floor)
 
 
 def _mib(nbytes: int) -> str:
@@ -222,9 +221,7 @@ def _keep_on_device(groups: list, policy: OffloadPolicy) -> str:
     stops before the group that passed it."""
     if policy.strategy != "budget":
         return "keep it on the device (strategy='budget' streams the rest)"
-    streamed = [g for g in groups if g.streamed]
-    order = [g for g in streamed if g.is_block] + sorted((g for g in streamed if not g.is_block),
-                                                         key=lambda g: (-g.nbytes, g.name))
+    order = budget_order([g for g in groups if g.streamed])
     below = sum(g.nbytes for g in order[:-1])
     if not below:
         return "keep it on the device (strategy='layerwise' streams every group, one at a time)"

@@ -332,7 +332,7 @@ def _nbytes(module: nn.Module) -> int:
 @pytest.mark.parametrize("device", ["cpu", simulated_device()])
 @pytest.mark.parametrize("build, strategy, group", [(TinyVLM, "sequential", "visual"),
                                                      (BrokenBlocks, "layerwise", "layers.0"),
-                                                     (BrokenBlocks, "alternating", "(root)")])  # the model, one component
+                                                     (BrokenBlocks, "alternating", "(root)")])  # the one component
 def test_parts_called_one_by_one_from_a_frame_without_a_graph_fetch_their_group_once(device, build, strategy, group):
     """Each part such a frame calls runs a graph of its own; where their weights are one group (a vision
     component under ``sequential``, a block whose own frame broke under ``layerwise``, the model that is its one

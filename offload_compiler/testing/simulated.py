@@ -732,7 +732,8 @@ def memory_stats(device: Any = None) -> dict[str, int]:
 # "Backend doesn't support synchronizing all streams"); where the simulated device is the current accelerator they
 # answer from its own counters and checker, as torch.accelerator does for CUDA's
 _ACCELERATOR_FUNCTIONS = dict(
-    synchronize=lambda device=None, /: synchronize(), empty_cache=lambda: None, memory_stats=lambda device_index=None, /: memory_stats(),
+    synchronize=lambda device=None, /: synchronize(), empty_cache=lambda: None,
+    memory_stats=lambda device_index=None, /: memory_stats(),
     memory_allocated=lambda device_index=None, /: memory_allocated(),
     max_memory_allocated=lambda device_index=None, /: max_memory_allocated(),
     memory_reserved=lambda device_index=None, /: memory_allocated(),
