@@ -463,6 +463,7 @@ def test_auto_and_simulated_device_load_too(tmp_path, monkeypatch):
         assert torch.equal(model(x), ref(x))
 
 
+@pytest.mark.slow  # a fresh process loading 168 MB, 10 s
 @pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/status")
 def test_peak_host_memory_while_loading_is_the_model_and_no_more(tmp_path):
     """The peak resident size of a fresh process (Linux): loading a 168 MB checkpoint grows the peak by the model's bytes plus at

@@ -10,6 +10,7 @@ import os
 import platform
 
 import pytest
+from devices import host_and
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -93,7 +94,7 @@ def _inject(monkeypatch, point):
 POINTS = ["reading", "disk write", "packing", "attaching", "late refusal"]
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("weights", ["meta", "own"])
 def test_a_failure_after_loading_leaves_the_model_as_it_was_and_a_retry_loads_it(tmp_path, monkeypatch, device,

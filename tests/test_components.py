@@ -5,6 +5,7 @@ import copy
 from pathlib import Path
 
 import pytest
+from devices import host_and
 import torch
 
 from multistage import Omni, omni, thinker
@@ -247,7 +248,7 @@ def _stage_policy(yaml_name, stage_id, device):
 
 def _devices():
     from offload_compiler.testing import simulated_device
-    return ["cpu", simulated_device()]
+    return host_and(simulated_device())
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -415,7 +416,8 @@ def test_the_vision_parts_of_vision_language_models_are_components_and_clip_has_
         assert sorted(discover(model)) == sorted(expected), cls.__name__
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param(_devices()[1], marks=pytest.mark.slow)])  # 12 s each
+@pytest.mark.slow  # 12 s each; the fast subset's: tests/test_graph_breaks.py's vision tower under sequential
+@pytest.mark.parametrize("device", ["cpu", _devices()[1]])
 @pytest.mark.parametrize("build, streamed", [
     (lambda: _llava(vision_layers=4, vision_hidden=64), ["model.vision_tower", "model.multi_modal_projector"]),
     ], ids=["llava"])

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 
@@ -42,7 +43,7 @@ def on_disk(tmp_path):
     return {"host_budget_gb": 0.0, "disk_dir": str(tmp_path)}
 
 
-@pytest.fixture(params=["cpu", "sim"])
+@pytest.fixture(params=host_and("sim"))
 def device(request):
     return simulated_device() if request.param == "sim" else "cpu"
 

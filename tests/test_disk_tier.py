@@ -10,6 +10,7 @@ import platform
 import unittest.mock as mock
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 
@@ -174,7 +175,7 @@ def _exact(m, x, expected, device):
         torch.testing.assert_close(m(x.to(device)).cpu(), expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_call_reads_the_next_calls_first_groups_on_disk_and_the_next_call_starts_with_them(
         tmp_path, device, monkeypatch):
     """prefetch_next_call with groups on disk: the reads a call issues at its start (the first prefetch + 1
@@ -220,7 +221,7 @@ def test_a_call_reads_the_next_calls_first_groups_on_disk_and_the_next_call_star
 
 
 @pytest.mark.parametrize("how", ["add_", "data", "load_state_dict"])
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_group_on_disk_read_for_the_next_call_and_changed_before_it_is_read_again_not_served_stale(
         tmp_path, device, how):
     """The previous call read blocks.0 for the next; the weight changes between the calls after that read
@@ -254,7 +255,7 @@ def test_a_group_on_disk_read_for_the_next_call_and_changed_before_it_is_read_ag
     assert offload_stats(m).carry_hits == 3 and offload_stats(m).disk_bytes_read == 4 * BLOCK
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_group_read_from_the_checkpoint_for_the_next_call_and_changed_moves_to_the_tiers_file_after_that_read(
         tmp_path, device):
     """blocks.0 read from the checkpoint's own extents for the next call, then changed in place while that read
@@ -282,7 +283,7 @@ def test_a_group_read_from_the_checkpoint_for_the_next_call_and_changed_moves_to
     assert offload_stats(m).carry_hits == 3 and path.read_bytes() == saved
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_read_for_the_next_call_that_fails_fails_the_call_that_takes_it_and_the_model_stays_whole(
         tmp_path, device, monkeypatch):
     """An OSError in a read a call issued for its next call (on the worker, after the call returned): the next
@@ -319,7 +320,7 @@ def test_a_read_for_the_next_call_that_fails_fails_the_call_that_takes_it_and_th
     assert offload_stats(m).carry_hits == 3
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_reads_for_the_next_call_go_with_a_fault_another_graph_and_remove_offload(tmp_path, device):
     """The reads a call issued for the next: a call that fails releases them, a call that takes another graph
     (another input shape) drops them before its own copies, and remove_offload gives the weights back bit for
@@ -568,7 +569,7 @@ class _WideHead(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_group_on_disk_is_read_as_soon_as_the_read_before_it_was_waited_for(tmp_path, device):
     """The head's read is issued at the wait of block 0 (the read before it), not one group before the head:
     the worker reads it while blocks 1 to 3 compute. Its slot is held from there, and the plan says so: the
@@ -605,7 +606,7 @@ def test_groups_of_one_size_beyond_the_budget_are_spread_over_the_call_not_the_f
     assert beyond_budget(sizes, [1, 2], budget=50) is None  # the rest cannot go: no choice fits
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_reads_from_disk_start_at_the_call_and_each_runs_while_a_group_in_memory_computes(
         tmp_path, device, monkeypatch):
     """Three of six blocks on disk: blocks 0, 2 and 4 (not 0 to 2). The first two reads are issued before the
@@ -891,7 +892,7 @@ def test_a_disk_dir_that_cannot_hold_the_file_is_named_with_the_reason_and_the_f
         assert torch.equal(model(x), expected)
 
 
-@pytest.mark.parametrize("device", ["cpu", "simulated"])
+@pytest.mark.parametrize("device", host_and("simulated"))
 def test_an_os_error_reading_a_group_from_disk_names_the_group_and_the_bytes(tmp_path, monkeypatch, device):
     """EIO during a fill: the OSError keeps its type and errno, with notes naming the group and the region of
     the file it was reading; the next call reads again and is exact."""

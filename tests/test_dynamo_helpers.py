@@ -5,6 +5,7 @@ upgrade that changes one fails here, by name, rather than as a slow or wrong off
 from __future__ import annotations
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounter
@@ -98,7 +99,7 @@ no_guard_filter_here = pytest.mark.skipif(GUARD_FILTER is None, reason="no guard
 
 
 @no_guard_filter_here
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_the_guard_filter_keeps_a_host_masters_tensor_match_alone(device):
     """Of the guards on a host master (its type, its ``__tensor_flatten__`` context compared in Python, its inner
     ``host`` tensor, the list of its inner attributes through a Python lambda), only its own ``TENSOR_MATCH`` is

@@ -10,6 +10,7 @@ import re
 import warnings
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -128,7 +129,7 @@ class DirectRead(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("device", ["cpu", simulated_device()])
+@pytest.mark.parametrize("device", host_and(simulated_device()))
 def test_a_weight_read_as_a_tensor_without_a_graph_is_read_on_demand_and_said_once_with_its_bytes(device):
     """No module call to route: ``scale`` is a host master, read on demand for each of its two ops (on ``cpu`` in
     place; on an accelerator a copy), counted, and the one warning per model gives the bytes and ops measured --
@@ -329,7 +330,7 @@ def _nbytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in module.parameters())
 
 
-@pytest.mark.parametrize("device", ["cpu", simulated_device()])
+@pytest.mark.parametrize("device", host_and(simulated_device()))
 @pytest.mark.parametrize("build, strategy, group", [(TinyVLM, "sequential", "visual"),
                                                      (BrokenBlocks, "layerwise", "layers.0"),
                                                      (BrokenBlocks, "alternating", "(root)")])  # the one component
@@ -369,7 +370,7 @@ def test_parts_called_one_by_one_from_a_frame_without_a_graph_fetch_their_group_
     assert "own offloaded graph" in warning
 
 
-@pytest.mark.parametrize("device", ["cpu", simulated_device()])
+@pytest.mark.parametrize("device", host_and(simulated_device()))
 def test_a_fetch_failing_while_copies_are_held_leaves_nothing_held_and_the_model_whole(device):
     """The second block's fetch fails after the first block's parts held its copy: the call raises the fault,
     no copy stays on the device, and the next call computes what the plain model does, with every group moved

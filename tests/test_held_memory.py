@@ -47,7 +47,8 @@ def _held_after_calls(model, inputs: dict, policy: OffloadPolicy, calls: int = 2
     return m, sim.memory_allocated() - base
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "t5" else n  # t5: 3 s, and
+                                  for n in sorted(MODELS)])  # test_t5_blocks_of_several_sizes_share_device_slots
 def test_the_claimed_device_weight_memory_is_what_the_device_holds(name):
     model, inputs = MODELS[name]()
     m, held = _held_after_calls(model, inputs, OffloadPolicy(strategy="layerwise", device=DEVICE))
@@ -121,7 +122,8 @@ def test_auto_holds_no_more_than_its_device_budget():
     assert sim.max_memory_allocated() - base <= budget
 
 
-@pytest.mark.parametrize("model_name,layers,prefetch", [("gpt2", 8, 1), ("llama", 6, 1)])
+@pytest.mark.parametrize("model_name,layers,prefetch", [pytest.param("gpt2", 8, 1, marks=pytest.mark.slow),
+                                                        ("llama", 6, 1)])
 def test_the_estimate_before_the_first_call_counts_the_slots_disk_groups_are_read_ahead_into(
         tmp_path, model_name, layers, prefetch):
     """With a disk tier each group on disk is read prefetch + 1 reads ahead, holding more slots than prefetch + 1:
@@ -160,8 +162,8 @@ def _component_policies():
             "sequential": dict(strategy="sequential")}
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s == "alternating" else s
-                                      for s in sorted(_component_policies())])  # about 20 s each
+@pytest.mark.slow  # about 20 s each; the fast subset's pool test: test_a_pipelines_components_share_one_slot_on_the_device
+@pytest.mark.parametrize("strategy", sorted(_component_policies()))
 def test_components_called_as_graphs_of_their_own_pool_about_the_largest_component(strategy):
     from offload_compiler import offload_groups
     from offload_compiler import reset_offload_stats
@@ -184,7 +186,7 @@ def test_components_called_as_graphs_of_their_own_pool_about_the_largest_compone
     assert_traffic_matches_plan(m)
 
 
-@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("keep", [False, pytest.param(True, marks=pytest.mark.slow)])  # 6 s each
 def test_a_pipelines_components_share_one_slot_on_the_device(keep):
     """On a device whose allocator counts every byte: the pool (and what the device holds) is about the largest
     component, outputs equal the plain pipeline's, traffic is the plan's; with keep_after_use the parked

@@ -7,6 +7,7 @@ import copy
 import io
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 
@@ -17,7 +18,7 @@ from offload_compiler.testing import BlockSpec, ModelSpec, assert_traffic_matche
     simulated_device
 
 DEVICE = simulated_device()
-DEVICES = [DEVICE, "cpu"]
+DEVICES = host_and(DEVICE)
 
 
 @pytest.fixture(params=DEVICES)

@@ -243,7 +243,7 @@ def test_inductor_calls_the_transfer_past_the_dispatcher_and_a_profiler_still_se
     it, its flatten context pickles), so a second process compiles nothing (benchmarks/compile_cache.py); and
     inductor is handed no host master (the graph reads the transfers' leaves, never the weights themselves)."""
     from torch._dynamo.utils import counters
-    model, x = build_block_model(SPEC, 5)
+    model, x = build_block_model(SPEC, 3)
     expected = model(x).detach()
     m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device="cpu", compiler="inductor"))
     from torch._inductor.utils import run_and_get_code

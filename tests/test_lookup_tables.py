@@ -6,6 +6,7 @@ output projection) is fetched whole. Outputs equal the plain model's; bytes and 
 import copy
 
 import pytest
+from devices import host_and
 import torch
 
 from offload_compiler import OffloadPolicy, describe_plan, offload_compile, offload_stats, reset_offload_stats
@@ -41,7 +42,7 @@ def _steady_call_equals_plain(m, plain, ids, device):
     return assert_traffic_matches_plan(m)
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_token_embedding_moves_the_rows_looked_up(device):
     plain, ids = _llama()
     device = _device(device)
@@ -90,7 +91,7 @@ def test_an_index_past_the_table_is_an_index_error_and_the_model_runs_on():
     assert offload_stats(m).live_device_bytes == 0  # the failed call left no copy behind
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_table_on_disk_reads_only_the_rows_looked_up(tmp_path, device):
     plain, ids = _llama()
     device = _device(device)
@@ -121,7 +122,7 @@ class _Positions(torch.nn.Module):
         return self.norm(x + self.positions(self.position_ids[:, : x.shape[1]]))
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_lookup_whose_index_is_a_view_of_another_group_keeps_that_group_until_it_runs(device):
     plain = _Positions().eval()
     device = _device(device)
@@ -187,7 +188,7 @@ def test_under_inductor_the_lookups_are_ordered_as_the_verified_graph_says(monke
 
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 @pytest.mark.parametrize("tied", [False, True], ids=["routed", "fetched_whole"])
 @pytest.mark.parametrize("index", [-200, VOCAB + 372], ids=["negative", "past_the_end"])
 def test_an_index_outside_the_table_names_it_routed_or_fetched_whole(device, tied, index):
@@ -209,7 +210,7 @@ def test_an_index_outside_the_table_names_it_routed_or_fetched_whole(device, tie
     assert offload_stats(m).live_device_bytes == 0
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_an_embedding_called_with_a_new_shape_names_its_table_for_a_negative_index(device):
     """An nn.Embedding of its own group; the bad call's index has another shape (a graph of its own)."""
     device = _device(device)

@@ -6,6 +6,7 @@ import threading
 import warnings
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 
@@ -496,7 +497,7 @@ def _fail_at_call(monkeypatch, module, name, at):
     return calls
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 @pytest.mark.parametrize("tier", ["disk", "memory"])
 def test_a_failure_while_building_the_runtime_leaves_the_model_as_it_was(device, tier, tmp_path, monkeypatch):
     """The last step of building a runtime (packing, the disk tier's file) fails partway: every weight is the very

@@ -9,6 +9,7 @@ import resource
 import warnings
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 
@@ -261,7 +262,7 @@ def test_a_model_compiled_in_place_with_the_backend_streams_generate_from_its_fi
     assert model.__dict__.get("forward") is own_forward  # the user's compiled forward, given back
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_a_forward_set_on_the_instance_before_offloading_is_what_the_model_runs(device):
     """A wrapper set as ``model.forward`` (by the user or a library) is part of what the model computes: the
     offloaded graph runs it, and ``remove_offload`` gives it back."""
@@ -594,7 +595,7 @@ class _Blocks(nn.Module):
 
 
 @users_regions_fail_on_this_torch
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_blocks_marked_as_a_nested_compile_region_each_run_on_their_own_weights(device):
     """Dynamo reuses a marked region's graph for every block, passing each block's weights in. Before routing was
     a class's, each weight holder's forward was an object of its own: dynamo reused the first block's graph *with
@@ -659,7 +660,7 @@ def test_regional_on_a_torch_without_regions_over_offloaded_weights_is_refused_n
 
 
 @needs_regions
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_regional_traces_a_stacks_block_once_and_each_block_streams_its_own_weights(device, monkeypatch):
     """``regional=True``: the four blocks are one traced region called four times, each with its own block's
     weights, fetched as the plan says; without it, each block is traced inline."""
@@ -768,7 +769,7 @@ def test_regional_llama_layers_are_one_region_without_the_kv_cache_and_inline_wi
 
 
 @needs_regions
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_regional_refused_by_dynamo_captures_the_model_whole_with_one_warning(device, monkeypatch):
     """A block returning two views of one tensor cannot be a nested compile region (dynamo: aliasing in a higher
     order op); the call is made again with the blocks traced inline, and says so once."""
@@ -807,7 +808,7 @@ class _NormedBlock(nn.Module):
 
 
 @needs_regions
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_regional_blocks_of_one_class_built_otherwise_are_regions_of_their_own(device, monkeypatch):
     """Dynamo reuses a block's traced region for any later block of the class whose inputs match, whatever its
     submodules: the LayerNorm blocks ran the first block's graph, which has no norm (off by about 1). Blocks are
@@ -849,7 +850,7 @@ class _ScaledBlocks(nn.Module):
 
 
 @needs_regions
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_regional_blocks_given_a_float_that_changes_are_traced_inline_with_one_warning(device):
     """A float that changes between calls is traced as a symbol from the second call on, and torch's region call
     takes none (an assertion at every call after that). Such a graph is captured again with the blocks inline,
@@ -909,7 +910,7 @@ class _ModelB(_ModelA):
 
 
 @needs_regions
-@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("device", host_and("sim"))
 def test_regional_models_offloaded_one_after_another_trace_as_if_each_were_alone(device, monkeypatch):
     """What dynamo learns of a frame's inputs (a float that differed between compiles becomes a symbol) is kept by
     the frame's code file, line, name and the code it closes over; our frames' names are their own, so a second

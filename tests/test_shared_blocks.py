@@ -7,6 +7,7 @@ import copy
 import warnings
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 
@@ -72,7 +73,7 @@ def test_a_shared_module_is_its_own_group_named_by_its_first_path():
     assert groups["layers.5"].nbytes == _nbytes(model.layers[5]) - shared.nbytes  # named under layers.1 only
 
 
-@pytest.mark.parametrize("device", ["cpu", simulated_device()])
+@pytest.mark.parametrize("device", host_and(simulated_device()))
 def test_each_block_fetches_its_own_weights_and_the_shared_group_where_it_calls_it(device):
     model, x = _model()
     total = _nbytes(model)

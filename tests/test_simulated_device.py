@@ -13,6 +13,7 @@ import threading
 import warnings
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -1024,7 +1025,7 @@ class _ReturnsWeightViews(nn.Module):
         return x, self.blocks[0].weight.detach().T, self.blocks[2].weight[1], self.kept
 
 
-@pytest.mark.parametrize("device", [DEVICE, "cpu"])
+@pytest.mark.parametrize("device", host_and(DEVICE))
 @pytest.mark.parametrize("strategy", ["layerwise", "sequential"])
 def test_views_of_streamed_weights_that_leave_the_graph_are_copies_of_their_values(strategy, device):
     """A view of a streamed weight returned by the forward (or kept on the module and returned later) was a view
@@ -1312,7 +1313,7 @@ def _fuse_refused_then_each_fix_works(model, call, fuse, unfuse, device, names):
         assert_traffic_matches_plan(again)
 
 
-@pytest.mark.parametrize("device", ["cpu", DEVICE])
+@pytest.mark.parametrize("device", host_and(DEVICE))
 def test_a_parameter_built_from_offloaded_weights_after_offloading_is_refused_and_each_fix_works(device):
     """Before the fix: the refusal named only remove_offload, after which the new parameter, built on the compute
     device from the weights fetched on demand, stayed there, and the plain model could not run."""
@@ -1323,7 +1324,7 @@ def test_a_parameter_built_from_offloaded_weights_after_offloading_is_refused_an
 
 
 @pytest.mark.slow  # a tiny diffusers UNet captured four times
-@pytest.mark.parametrize("device", ["cpu", DEVICE])
+@pytest.mark.parametrize("device", host_and(DEVICE))
 def test_diffusers_fused_qkv_projections_after_offloading_are_refused_and_each_fix_works(device):
     D = pytest.importorskip("diffusers")
     torch.manual_seed(0)

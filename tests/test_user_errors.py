@@ -7,6 +7,7 @@ import pickle
 import re
 
 import pytest
+from devices import host_and
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -154,7 +155,7 @@ def test_a_wrong_input_shape_writes_nothing_else_to_stderr():
     assert "fake_tensor" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("on", ["cpu", "sim"])
+@pytest.mark.parametrize("on", host_and("sim"))
 def test_a_wrong_input_dtype_is_torchs_own_error_naming_the_call_and_the_model_runs_on(on, capsys):
     """Fake tensors accept a float64 input meeting float32 weights, so the op fails while the graph runs: torch's
     own error, as the plain model raises it, with a note naming the offloaded call and its inputs; nothing else on
@@ -443,7 +444,7 @@ def test_a_model_inside_or_around_an_offloaded_one_is_refused_before_anything_ch
     assert plain is first
 
 
-@pytest.mark.parametrize("strategy", ["layerwise", "auto"])
+@pytest.mark.parametrize("strategy", ["layerwise", pytest.param("auto", marks=pytest.mark.slow)])  # 3 s each
 def test_a_model_that_rescales_its_weights_at_its_first_call_is_refused_naming_the_plain_call_first(strategy):
     """RWKV in eval mode divides its weights in place at its first call: an offloaded weight is read-only in the
     forward, so that call is refused by the weight's name with the fix (one plain call before offloading), which
