@@ -291,3 +291,15 @@ def test_regional_phases_small(tmp_path):
     assert all(ours[phase]["2"] > 0 for phase in ("dynamo", "trace", "backend", "guards", "setup", "first_call"))
     assert ours["trace"]["2"] <= ours["dynamo"]["2"] <= ours["first_call"]["2"]
     assert "backend" in rows["ours-regional"]["per_block_ms"]
+
+
+@pytest.mark.slow  # a worker process importing transformers, then two models offloaded
+def test_registry_sweep_records_each_model_type_and_counts_only_those_built(tmp_path):
+    out = tmp_path / "registry.json"
+    _run("registry_sweep.py", "--only", "llama", "gpt2", "no_such_model_type", "--chunk", "2", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert [r["kind"] for r in data["results"]] == ["llama", "gpt2", "no_such_model_type"]  # two worker processes, in order
+    summary = data["summary"]
+    assert summary["registered"] == 3 and summary["built"] == summary["passed"] == 2 and summary["not_built"] == 1
+    assert "build_error" in data["results"][2] and not summary["failed"]
+    assert all(0 < r["device_weight_peak_share"] <= 0.6 and r["traffic_equals_plan"] for r in data["results"][:2])
