@@ -74,6 +74,11 @@ def build(task: str, kind: str):
     return model, inputs, lambda out: out.logits
 
 
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
 def worker(task: str, kinds: list[str]) -> None:
     import torch
     from unseen_architectures import trial
@@ -87,7 +92,7 @@ def worker(task: str, kinds: list[str]) -> None:
         try:
             model, inputs, output = build(task, kind)
         except Exception as error:  # noqa: BLE001 - a recipe that does not fit this type is recorded, not ours
-            record["build_error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+            record["build_error"] = f"{type(error).__name__}: {_first_line(error)}"
         else:
             record["parameters"] = sum(p.numel() for p in model.parameters())
             record.update(trial(model, inputs, output, device, "eager"))
@@ -123,8 +128,10 @@ def run_chunk(task: str, kinds: list[str], timeout: float) -> list[dict]:
                                                        f"while this model ran"})
             print(results[-1], flush=True)
             pending.remove(current)
-        elif pending and process.returncode != 0:
-            break  # died between models: nothing to attribute it to
+        elif pending and process.returncode != 0:  # died between models: the rest is recorded as not run
+            results += [{"kind": kind, "killed": f"the worker process ended (return code {process.returncode}) "
+                                                 f"before this model ran"} for kind in pending]
+            break
     return results
 
 

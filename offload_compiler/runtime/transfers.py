@@ -475,14 +475,13 @@ class TransferEngine:
     def _take_held_or_fill(self, slot: DeviceSlot, group: Group, capturing: bool) -> DeviceSlot:
         """The copy held in ``slot`` where it is ``group``'s and its host weights are unchanged (counted as a
         held hit: the plan's fetch, served without moving its bytes); else every held copy goes, then the fill."""
-        held = self._held.pop(group.index, None)
+        held = self._held.get(group.index)
         if held is not None and held[0] is slot and held[1] == stamp(group) and not capturing:
+            del self._held[group.index]
             self.held_hits += 1
             self.held_hit_bytes += group.nbytes
             return slot
-        if held is not None:
-            self._held[group.index] = held  # stale or elsewhere: released with the others
-        self.release_held()
+        self.release_held()  # a copy of ``group`` held elsewhere or stale goes with the others
         return self._fill(slot, group)
 
     def release_held(self) -> None:
