@@ -40,6 +40,9 @@ class GroupSpec:
     # is never kept after its forward, and its device slot is given back after each call (`OffloadRuntime.end_call`)
     whole_model: bool = False
     experts: bool = False  # a block's fused expert weights (`split_experts`): a graph may fetch only those routed
+    # an embedding table alone in its group (`split_lookup_tables`): a graph that reads it only by indices fetches
+    # the rows looked up (`passes.routed`), so `savings.peak_estimate` counts no slot of its whole size
+    lookup: bool = False
     # the blocks calling it, where it is a module several blocks share (`shared_modules`): fetched at each one's
     # call (`savings.peak_estimate` counts its copies)
     users: tuple[str, ...] = ()
@@ -501,6 +504,8 @@ def _plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] 
     if policy.strategy in ("layerwise", "budget", "auto"):  # every strategy that streams blocks
         groups = split_experts(model, groups)
     groups += [GroupSpec(name, tuple(ws), True, False) for name, ws in outside.items()]
+    if policy.strategy in ("layerwise", "budget", "auto"):
+        groups = split_lookup_tables(model, groups)
     return choose_streamed(groups, policy)
 
 
@@ -580,6 +585,50 @@ def split_experts(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
         out += [GroupSpec(path, tuple(ws), group.streamed, True, group.exclusive, experts=path in experts,
                           users=group.users)
                 for path, ws in split.items()]
+    return out
+
+
+MIN_LOOKUP_ROWS = 64  # a smaller table (token types, relative-position buckets) stays in its group: a lookup of
+# a few tokens would save little beside a fetch of its own
+
+
+def lookup_tables(model: nn.Module) -> set[int]:
+    """Ids of the embedding tables of ``model`` that a lookup reads by rows: an ``nn.Embedding``'s weight (of more
+    than `MIN_LOOKUP_ROWS` rows, without ``max_norm``, which renormalizes the rows it reads in place) that no
+    other kind of module holds too (a table tied to the output projection is read whole by it at every call)."""
+    tables: set[int] = set()
+    whole: set[int] = set()
+    for module in model.modules():
+        for tensor in module.parameters(recurse=False):
+            if (isinstance(module, nn.Embedding) and tensor is module.weight and module.max_norm is None
+                    and tensor.dim() == 2 and tensor.shape[0] > MIN_LOOKUP_ROWS):
+                tables.add(id(tensor))
+            else:
+                whole.add(id(tensor))
+    return tables - whole
+
+
+def split_lookup_tables(model: nn.Module, groups: list[GroupSpec]) -> list[GroupSpec]:
+    """Under a strategy that streams blocks, each embedding table (`lookup_tables`) is a group of its own, named by
+    its weight, just before the rest of the group it was in: a routed fetch (`passes.analysis.routed_reads`) moves
+    the rows a graph looks up only where every weight of the group is read by indices, so a table beside a scale
+    buffer or a norm (Gemma 3n/4's per-layer table, BERT-style embedding modules) would otherwise be fetched whole
+    at every call. A group that is one table already keeps its name."""
+    tables = lookup_tables(model)
+    if not tables:
+        return groups
+    out: list[GroupSpec] = []
+    for group in groups:
+        own = [w for w in group.weights if id(w.tensor) in tables]
+        rest = tuple(w for w in group.weights if id(w.tensor) not in tables)
+        if not own:
+            out.append(group)
+        elif len(own) == 1 and not rest:
+            out.append(dataclasses.replace(group, lookup=True))
+        else:
+            out += [dataclasses.replace(group, name=w.name, weights=(w,), lookup=True) for w in own]
+            if rest:
+                out.append(dataclasses.replace(group, weights=rest))
     return out
 
 

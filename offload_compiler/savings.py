@@ -50,9 +50,14 @@ def peak_estimate(groups: Iterable, prefetch: int, carry: bool = False) -> int:
       (`passes.schedule.MAX_RUNS`); its copies may take different slots;
     - a block's fused expert weights (``experts``: a group of their own, right after the rest of their block)
       alternate with the rest of the blocks, two size classes of which the window never holds two of one class
-      at once: counting each class at its full window would hold two blocks' experts and two blocks' rests."""
+      at once: counting each class at its full window would hold two blocks' experts and two blocks' rests.
+
+    An embedding table alone in its group (``lookup``) counts no slot: a graph reading it only by indices fetches
+    the rows looked up into a slot its index sizes, which only the graph knows (the verified plan counts it); a
+    graph that reads it whole (a model reading ``embedding.weight`` itself) fetches it whole, and the verified plan
+    counts that slot too."""
     groups = list(groups)
-    streamed = [g for g in groups if g.streamed]
+    streamed = [g for g in groups if g.streamed and not getattr(g, "lookup", False)]
     classes = [_size_class_of(g) for g in streamed]
     resident = sum(g.nbytes for g in groups if not g.streamed)
     read_ahead = frozenset(i for i, g in enumerate(streamed) if getattr(g, "on_disk", False))

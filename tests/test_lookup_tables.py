@@ -220,3 +220,96 @@ def test_an_embedding_called_with_a_new_shape_names_its_table_for_a_negative_ind
         m(torch.randint(0, 50, (2, 5)).to(device))
         with pytest.raises(IndexError, match=r"0.weight has 50 rows, an index named -1"):
             m(torch.tensor([[1, -1, 3]]).to(device))
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    """A table with a scale buffer beside it, as Gemma 3n/4's per-layer embedding holds."""
+
+    def __init__(self, rows, dim):
+        super().__init__(rows, dim)
+        self.register_buffer("embed_scale", torch.tensor(dim ** 0.5), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale
+
+
+class _TableLM(torch.nn.Module):
+    """A model whose weights are almost all one table read by lookup: streaming it whole saves nothing."""
+
+    def __init__(self, rows=4096, dim=32):
+        super().__init__()
+        self.embed = _ScaledEmbedding(rows, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(3))
+        self.head = torch.nn.Linear(dim, 8)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("device", host_and("sim"))
+def test_a_table_beside_a_scale_buffer_is_a_group_of_its_own_and_moves_the_rows_looked_up(device):
+    """A routed fetch applies where every weight of a group is read by indices; a table grouped with its module's
+    scale buffer was fetched whole at every call (99.7% of a tiny Gemma 4 on the device). The table is now a group
+    of its own: the estimate before the first call, the verified plan and the traffic all count its rows looked
+    up, and no saving warning is raised."""
+    import warnings
+    from offload_compiler import OffloadSavingWarning, plan_summary
+    torch.manual_seed(0)
+    plain = _TableLM().eval().requires_grad_(False)
+    ids = torch.tensor([[5, 9, 5, 4000, 17, 9]])
+    device = _device(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = offload_compile(copy.deepcopy(plain), OffloadPolicy(strategy="layerwise", device=device,
+                                                                compiler="eager", debug_poison=True))
+    assert not [w for w in caught if issubclass(w.category, OffloadSavingWarning)]
+    table = plain.embed.weight
+    names = [g["name"] for g in plan_summary(m)["groups"]]
+    assert "embed.weight" in names and "embed" in names  # the table, then its scale buffer
+    estimate = plan_summary(m)["saving"]
+    assert not estimate["verified"] and estimate["device_weight_peak_bytes"] < table.nbytes / 10
+    with torch.no_grad():
+        expected = plain(ids)
+        m(ids.to(device))
+        reset_offload_stats(m)
+        got = m(ids.to(device)).cpu()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    stats = assert_traffic_matches_plan(m)
+    row = table[0].nbytes
+    assert stats.routed_fetches == 1 and stats.routed_bytes == ids.unique().numel() * row
+    assert stats.bytes_transferred - stats.routed_bytes == stats.total_bytes - table.nbytes
+    planned = plan_summary(m)["saving"]
+    assert planned["verified"] and planned["share_of_model"] < 0.1
+    assert planned["device_weight_peak_bytes"] - estimate["device_weight_peak_bytes"] == ids.numel() * row
+
+
+def test_the_tables_of_an_embedding_module_stream_apart_from_its_norm():
+    """BERT-style embeddings (word, position and token-type tables with a LayerNorm in one module): the word and
+    position tables are groups of their own, fetched as the rows looked up; the two-row token-type table stays
+    with the norm (`grouping.MIN_LOOKUP_ROWS`)."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    plain = BertModel(BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=128)).eval().requires_grad_(False)
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(1))
+    device = simulated_device()
+    m = offload_compile(copy.deepcopy(plain), OffloadPolicy(strategy="layerwise", device=device, compiler="eager"))
+    groups = {g.name: g for g in m._offload_runtime.groups}
+    assert {"embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight"} <= set(groups)
+    rest = {s.name for s in groups["embeddings"].slots}  # with the module's index buffers
+    assert {"embeddings.token_type_embeddings.weight", "embeddings.LayerNorm.weight"} <= rest
+    assert not any(name.startswith(("embeddings.word_", "embeddings.position_embeddings")) for name in rest)
+    with torch.no_grad():
+        expected = plain(input_ids=ids).last_hidden_state
+        m(input_ids=ids.to(device))
+        reset_offload_stats(m)
+        got = m(input_ids=ids.to(device)).last_hidden_state.cpu()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    stats = assert_traffic_matches_plan(m)
+    rows = plain.embeddings.word_embeddings.weight[0].nbytes
+    assert stats.routed_fetches == 2
+    assert stats.routed_bytes == (ids.unique().numel() + ids.numel()) * rows  # the tokens' rows, 10 positions

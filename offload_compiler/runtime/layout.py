@@ -100,6 +100,7 @@ class Group:
     whole_model: bool = False  # the model's one component (`GroupSpec.whole_model`): its slot leaves after each call
     users: tuple[str, ...] = ()  # the blocks that call it (`GroupSpec.users`)
     experts: bool = False  # a block's fused expert weights (`GroupSpec.experts`)
+    lookup: bool = False  # an embedding table alone in its group (`GroupSpec.lookup`)
     is_block: bool = False  # a block of a stack, or blocks merged (`GroupSpec.is_block`)
     on_disk: bool = False  # its host buffers are files (`disk`), read at each fill
     packed: bool = False
@@ -188,7 +189,7 @@ def layout_group(index: int, spec: GroupSpec, unpackable: set[int] = frozenset()
             leaves.append(leaf)
         slots.append(Slot(w.name, w.tensor, leaves, rebuild_spec(w.tensor)))
     return Group(index, spec.name, spec.streamed, slots, buckets, spec.exclusive, spec.whole_model,
-                 users=spec.users, experts=spec.experts, is_block=spec.is_block)
+                 users=spec.users, experts=spec.experts, lookup=spec.lookup, is_block=spec.is_block)
 
 
 def layout_groups(specs: list[GroupSpec]) -> list[Group]:
