@@ -157,6 +157,9 @@ def summarize(results: list[dict]) -> dict:
         "failed_plain_torch_compile_too": [r["kind"] for r in failed if r.get("plain_torch_compile_fails_too")],
         f"peak_share_above_{PEAK_SHARE_LIMIT}": {r["kind"]: r["device_weight_peak_share"] for r in passed
                                                  if r["device_weight_peak_share"] > PEAK_SHARE_LIMIT},
+        # a plan that holds much of the model and was not warned about at offload_compile (`OffloadSavingWarning`)
+        f"peak_share_above_{PEAK_SHARE_LIMIT}_not_warned": [
+            r["kind"] for r in passed if r["device_weight_peak_share"] > PEAK_SHARE_LIMIT and not r["saving_warning"]],
         "read_on_demand": {r["kind"]: r["on_demand_bytes"] for r in passed if r["on_demand_bytes"]},
         "max_peak_share": max((r["device_weight_peak_share"] for r in passed), default=None),
     }

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from offload_compiler import OffloadPolicy, offload_compile, reset_offload_stats
+from offload_compiler import OffloadPolicy, OffloadSavingWarning, offload_compile, plan_summary, reset_offload_stats
 from offload_compiler.testing import assert_traffic_matches_plan, simulated_device
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -134,8 +134,11 @@ def trial(model, kwargs, output, device: str, compiler: str) -> dict:
         expected = output(model(**kwargs))
     start = time.perf_counter()
     try:
-        m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device,
-                                                                 compiler=compiler, prefetch=1))
+        with warnings.catch_warnings(record=True) as caught:  # whether a small saving is said before it runs
+            warnings.simplefilter("always", OffloadSavingWarning)
+            m = offload_compile(copy.deepcopy(model), OffloadPolicy(strategy="layerwise", device=device,
+                                                                     compiler=compiler, prefetch=1))
+        warned = any(issubclass(w.category, OffloadSavingWarning) for w in caught)
         reset_offload_stats(m)
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with torch.no_grad():
@@ -145,8 +148,11 @@ def trial(model, kwargs, output, device: str, compiler: str) -> dict:
         ours = _torch_compiles_it(model, kwargs)
         return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}",
                 "plain_torch_compile_fails_too": not ours}
+    largest = max(plan_summary(m)["groups"], key=lambda g: g["bytes"])
     return {"ok": True, "max_abs_diff": float((got - expected).abs().max()), "traffic_equals_plan": True,
             "device_weight_peak_share": round(stats.peak_resident_bytes / stats.total_bytes, 3),
+            "largest_group": largest["name"], "largest_group_share": round(largest["bytes"] / stats.total_bytes, 3),
+            "saving_warning": warned,
             "on_demand_bytes": stats.on_demand_bytes, "seconds": round(time.perf_counter() - start, 1)}
 
 

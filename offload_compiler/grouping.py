@@ -501,10 +501,11 @@ def _plan_groups(model: nn.Module, policy: OffloadPolicy, weights: list[Weight] 
         else:
             in_blocks.setdefault(name, (block, []))[1].append(w)
     groups = _block_groups(list(in_blocks.values()), policy.blocks_per_group)
-    if policy.strategy in ("layerwise", "budget", "auto"):  # every strategy that streams blocks
+    streams_blocks = policy.strategy in STREAMING_BLOCKS
+    if streams_blocks:
         groups = split_experts(model, groups)
     groups += [GroupSpec(name, tuple(ws), True, False) for name, ws in outside.items()]
-    if policy.strategy in ("layerwise", "budget", "auto"):
+    if streams_blocks:
         groups = split_lookup_tables(model, groups)
     return choose_streamed(groups, policy)
 
